@@ -1,0 +1,5 @@
+import sys
+
+from smelt_jax.cli import main
+
+sys.exit(main())
