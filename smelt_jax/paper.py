@@ -1,0 +1,72 @@
+"""Numbers published in the SMELT paper (arXiv 2609.01343), for comparison only.
+
+Nothing here configures a run: descriptors compute their budgets; these are what the paper reports
+(Appendix A, ablations), typed in once so tests and `smelt match` can compare against them.
+"""
+
+from __future__ import annotations
+
+SCALES = ("100m", "200m", "600m", "1.6b")
+SPARSITY_LABELS = ("s0", "s85", "s95", "s97")
+
+# Appendix A, per (scale, sparsity label): billions of non-embedding parameters, S in %.
+BASELINE = {
+    "100m": {"d_model": 672, "n_layers": 10, "experts": (8, 64, 192, 336),
+             "active": (.100, .100, .101, .102), "sparsity": (0, 86.0, 95.2, 97.2),
+             "total": (.10, .71, 2.12, 3.70)},
+    "200m": {"d_model": 1280, "n_layers": 12, "experts": (8, 64, 192, 336),
+             "active": (.207, .207, .209, .212), "sparsity": (0, 84.3, 94.6, 96.9),
+             "total": (.21, 1.32, 3.87, 6.74)},
+    "600m": {"d_model": 1792, "n_layers": 20, "experts": (8, 64, 192, 336),
+             "active": (.663, .665, .670, .675), "sparsity": (0, 84.5, 94.7, 96.9),
+             "total": (.66, 4.28, 12.54, 21.83)},
+    "1.6b": {"d_model": 2304, "n_layers": 30, "experts": (8, 64, 192, 336),
+             "active": (1.629, 1.632, 1.641, 1.651), "sparsity": (0, 84.5, 94.7, 96.9),
+             "total": (1.63, 10.55, 30.94, 53.89)},
+}
+
+SMELT = {
+    "100m": {"d_model": (576, 576, 576, 576), "experts": (16, 96, 288, 504),
+             "active": (.071, .067, .069, .070), "sparsity": (0, 86.8, 95.5, 97.4),
+             "total": (.10, .71, 2.12, 3.70), "flops_ratio": (1.081, 1.024, 1.031, 1.039),
+             "kv_ratio": (1.018, .964, .964, .964)},
+    "200m": {"d_model": (1056, 1056, 1056, 1056), "experts": (16, 96, 288, 504),
+             "active": (.142, .140, .142, .145), "sparsity": (0, 84.6, 94.7, 96.9),
+             "total": (.21, 1.32, 3.89, 6.78), "flops_ratio": (1.039, 1.021, 1.029, 1.037),
+             "kv_ratio": (1.031, 1.031, 1.031, 1.031)},
+    "600m": {"d_model": (1408, 1408, 1512, 1512), "experts": (16, 96, 288, 504),
+             "active": (.458, .443, .453, .459), "sparsity": (0, 85.1, 94.7, 96.9),
+             "total": (.67, 4.31, 12.44, 21.70), "flops_ratio": (1.046, 1.007, 1.024, 1.031),
+             "kv_ratio": (1.031, 1.031, .984, .984)},
+    "1.6b": {"d_model": (1848, 1848, 1848, 1848), "experts": (16, 96, 288, 504),
+             "active": (1.101, 1.081, 1.091, 1.103), "sparsity": (0, 84.6, 94.8, 97.0),
+             "total": (1.64, 10.45, 30.90, 53.90), "flops_ratio": (1.022, 1.000, 1.004, 1.008),
+             "kv_ratio": (.984, .984, .984, .984)},
+}
+
+# The worked example of spec §3: 200M, S~95%, training FLOPs per token.
+WORKED_EXAMPLE_FLOPS = {"baseline": 1.33e9, "smelt": 1.37e9}
+
+# §6 ablations at 200M, S~85% (validation loss, single runs).
+ABLATION_LOSS = {
+    "span": {0: 1.9445, 2: 1.9384, 4: 1.9275, 6: 1.9257, 8: 1.9374, 10: 1.9413, 12: 1.9322},
+    "depth_baseline": {9: 1.9638, 12: 1.9445, 15: 1.9457, 18: 1.9542},
+    "depth_looped": {8: 1.9591, 10: 1.9389, 12: 1.9257, 14: 1.9433},
+    "loops": {1: 1.9445, 2: 1.9257, 3: 1.9385, 4: 1.9360},
+}
+
+
+def appendix_a(scale: str, sparsity_label: str, arch: str) -> dict[str, float]:
+    """The paper's row for one model: active and total params (B), S (%), and ratios for SMELT."""
+    i = SPARSITY_LABELS.index(sparsity_label)
+    table = BASELINE if arch == "baseline" else SMELT
+    row = table[scale]
+    out = {key: row[key][i] for key in ("active", "total", "sparsity")}
+    out["n_experts"] = row["experts"][i]
+    if arch != "baseline":
+        out["flops_ratio"] = row["flops_ratio"][i]
+        out["kv_ratio"] = row["kv_ratio"][i]
+        out["d_model"] = row["d_model"][i]
+    else:
+        out["d_model"] = row["d_model"]
+    return out

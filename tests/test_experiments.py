@@ -1,0 +1,117 @@
+"""The descriptor suites: the paper's grid reproduced, pairs matched, ids stable."""
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+import experiments
+from smelt_jax import budget as B
+from smelt_jax import paper
+from smelt_jax.cli import main as cli_main
+from smelt_jax.matching import mismatch
+
+
+def _pairs(suite):
+    runs = experiments.load_suite(suite)
+    pairs = {}
+    for run in runs:
+        pairs.setdefault(run.pair_id, {})[run.arch] = run
+    return pairs
+
+
+def test_smelt16_has_32_runs_in_16_pairs_with_unique_ids():
+    runs = experiments.load_suite("smelt16")
+    assert len(runs) == 32
+    assert len({r.id for r in runs}) == 32
+    assert len({r.pair_id for r in runs}) == 16
+    for run in runs:
+        assert re.fullmatch(r"smelt16-[0-9.a-z]+-s\d+-(baseline|smelt)-[0-9a-f]{8}", run.id)
+
+
+@pytest.mark.parametrize("scale", paper.SCALES)
+@pytest.mark.parametrize("label", ["s85", "s95", "s97"])
+def test_sparse_cells_reproduce_appendix_a(scale, label):
+    pair = _pairs("smelt16")[f"smelt16-{scale}-{label}"]
+    base, smelt = pair["baseline"].model, pair["smelt"].model
+    for arch, cfg in (("baseline", base), ("smelt", smelt)):
+        ref = paper.appendix_a(scale, label, arch)
+        assert B.params_active(cfg) / 1e9 == pytest.approx(ref["active"], rel=0.02)
+        assert B.params_total(cfg) / 1e9 == pytest.approx(ref["total"], rel=0.02)
+    ref = paper.appendix_a(scale, label, "smelt")
+    flops_ratio = B.train_flops_per_token(smelt) / B.train_flops_per_token(base)
+    kv_ratio = B.kv_per_token(smelt) / B.kv_per_token(base)
+    assert flops_ratio == pytest.approx(ref["flops_ratio"], abs=0.02)
+    assert kv_ratio == pytest.approx(ref["kv_ratio"], abs=0.02)
+    assert pair["baseline"].budget().sparsity * 100 == pytest.approx(
+        paper.appendix_a(scale, label, "baseline")["sparsity"], abs=0.3)
+
+
+@pytest.mark.parametrize("suite", ["smelt16", "micro", "smoke"])
+def test_every_sparse_pair_is_within_the_matching_tolerances(suite):
+    for pair_id, pair in _pairs(suite).items():
+        if pair_id.endswith("-s0"):
+            continue
+        mm = mismatch(pair["baseline"].model, pair["smelt"].model)
+        assert abs(mm["flops"]) <= 0.04 and abs(mm["params"]) <= 0.01 and abs(mm["kv"]) <= 0.04, pair_id
+
+
+def test_ablations_are_matched_to_the_200m_s85_baseline():
+    runs = experiments.load_suite("ablations200m")
+    reference = _pairs("smelt16")["smelt16-200m-s85"]["baseline"].model
+    variants = {r.variant for r in runs}
+    assert {f"span{m}" for m in range(0, 13, 2)} <= variants
+    assert {"l8", "l9", "l10", "l12", "l14", "l15", "l18", "r1", "r2", "r3", "r4"} <= variants
+    for run in runs:
+        mm = mismatch(reference, run.model)
+        assert abs(mm["flops"]) <= 0.04 and abs(mm["params"]) <= 0.01 and abs(mm["kv"]) <= 0.04
+    r3 = next(r for r in runs if r.variant == "r3").model
+    assert (r3.loop_repeats, r3.loop_length, r3.loop_start) == (3, 6, 3)
+
+
+def test_micro_and_smoke_structure():
+    micro = experiments.load_suite("micro")
+    assert len(micro) == 32 and len({r.pair_id for r in micro}) == 16
+    assert all(len(r.schedule.fork_steps) == 6 for r in micro)
+    smoke = experiments.load_suite("smoke")
+    assert len(smoke) == 8 and all(len(r.schedule.fork_steps) == 2 for r in smoke)
+
+
+def test_ids_are_stable_across_processes():
+    code = "import experiments; print(sorted(r.id for r in experiments.load_suite('smelt16'))[:4])"
+    out = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                          env={"PYTHONHASHSEED": str(seed), "PATH": ""}).stdout for seed in (1, 2)]
+    assert out[0] == out[1]
+    assert out[0].strip() == str(sorted(r.id for r in experiments.load_suite("smelt16"))[:4])
+
+
+def test_cli_list_json(capsys):
+    assert cli_main(["experiments", "list", "--suite", "smelt16", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert len(rows) == 32 and len({r["pair_id"] for r in rows}) == 16
+    row = rows[0]
+    for key in ("id", "suite", "scale", "sparsity_label", "arch", "pair_id", "config", "budget",
+                "schedule"):
+        assert key in row
+    for key in ("vocab", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "n_experts",
+                "top_k", "expert_ffn", "loop_start", "loop_length", "loop_repeats", "seq_len"):
+        assert key in row["config"]
+    for key in ("train_flops_per_token", "params_total", "params_active", "kv_per_token", "sparsity"):
+        assert key in row["budget"]
+
+
+def test_cli_match_shows_the_worked_example(capsys):
+    smelt = _pairs("smelt16")["smelt16-200m-s95"]["smelt"]
+    assert cli_main(["match", smelt.id]) == 0
+    out = capsys.readouterr().out
+    assert "1.33e+09" in out and "1.369e+09" in out and "worked example" in out
+
+
+@pytest.mark.parametrize("argv", [["budget", "smelt16-nope"], ["experiments", "show", "x"],
+                                  ["experiments", "list", "--suite", "nope"]])
+def test_cli_bad_ids_give_one_line_and_exit_2(argv, capsys):
+    assert cli_main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("smelt: error:") and err.count("\n") == 1
