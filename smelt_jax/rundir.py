@@ -53,8 +53,13 @@ def run_dir(suite: str, run_id: str, root: Path | None = None) -> RunDir:
     return RunDir((root or runs_root()) / suite / run_id)
 
 
+def results_dir(suite: str, root: Path | None = None) -> Path:
+    """The folder of the suite's results store (`smelt_jax.results`: results.parquet + .csv)."""
+    return (root or runs_root()) / suite
+
+
 def results_path(suite: str, root: Path | None = None) -> Path:
-    return (root or runs_root()) / suite / "results.parquet"
+    return results_dir(suite, root) / "results.parquet"
 
 
 def committed_steps(checkpoint_dir: Path) -> list[int]:

@@ -1,0 +1,166 @@
+"""The results store: one row per finished endpoint, in a parquet table with a CSV export.
+
+Every endpoint (a decay branch's end) appends one row. Writers may be several processes at once (a sweep
+running jobs side by side), so an append holds an exclusive `fcntl.flock` on `results.lock`, reads the
+table, replaces any row of the same (run_id, branch) — re-appending an endpoint updates it instead of
+duplicating it — and writes the new table to a temporary file that `os.replace` puts in place. A reader
+therefore sees the old table or the new one, never half a row, and a crash mid-write leaves the old table.
+The parquet file is the source of truth; the CSV is rewritten from it on every append.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import math
+import os
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import pandas as pd
+
+TABLE_NAME = "results.parquet"
+CSV_NAME = "results.csv"
+LOCK_NAME = "results.lock"
+KEY = ("run_id", "branch")
+LOSS_PREFIX = "loss_"
+
+
+@dataclasses.dataclass(frozen=True)
+class EndpointResult:
+    """One finished endpoint. `losses_by_source` become columns `loss_<source>`."""
+
+    run_id: str
+    branch: int
+    pair_id: str
+    suite: str
+    arch: str  # "baseline" or "smelt"
+    scale: str  # "100M", "200M", ...
+    sparsity_label: str  # "S0", "S85", ...
+    sparsity: float  # compute-equivalent sparsity S in [0, 1)
+    flops_per_token: float  # training FLOPs per token F
+    params: int
+    tokens: int  # training tokens D at the endpoint
+    cumulative_flops: float
+    val_loss: float
+    losses_by_source: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    git_commit: str = ""
+    time: str = ""  # ISO 8601 UTC; filled at append when empty
+
+    def __post_init__(self) -> None:
+        if not self.run_id or not isinstance(self.run_id, str):
+            raise ValueError(f"run_id must be a non-empty string, got {self.run_id!r}")
+        if not isinstance(self.branch, int) or self.branch < 0:
+            raise ValueError(f"branch must be a non-negative integer, got {self.branch!r}")
+        if not 0 <= self.sparsity < 1:
+            raise ValueError(f"sparsity must lie in [0, 1), got {self.sparsity}")
+        losses = {"val_loss": self.val_loss, **{f"{LOSS_PREFIX}{k}": v for k, v in self.losses_by_source.items()}}
+        for name, value in losses.items():
+            if not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
+        for source in self.losses_by_source:
+            if not str(source).isidentifier():
+                raise ValueError(f"source name {source!r} must be an identifier (it names a column)")
+        for name in ("flops_per_token", "params", "tokens", "cumulative_flops"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+    def to_row(self) -> dict:
+        row = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "losses_by_source"}
+        row.update({f"{LOSS_PREFIX}{k}": float(v) for k, v in sorted(self.losses_by_source.items())})
+        row["params"], row["tokens"] = int(self.params), int(self.tokens)
+        for name in ("sparsity", "flops_per_token", "cumulative_flops", "val_loss"):
+            row[name] = float(row[name])
+        return row
+
+
+FIXED_COLUMNS = tuple(f.name for f in dataclasses.fields(EndpointResult) if f.name != "losses_by_source")
+
+
+def git_commit(repo: str | os.PathLike | None = None) -> str:
+    """HEAD of the repository holding this package (suffix '-dirty' with local changes), or 'unknown'."""
+    cwd = Path(repo) if repo else Path(__file__).resolve().parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True,
+                              timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd,
+                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head + ("-dirty" if dirty else "")
+
+
+def default_results_dir() -> Path:
+    """$SMELT_RESULTS_DIR if set, else `results/` at the repository root."""
+    env = os.environ.get("SMELT_RESULTS_DIR")
+    return Path(env) if env else Path(__file__).resolve().parents[1] / "results"
+
+
+@contextlib.contextmanager
+def _locked(folder: Path, exclusive: bool) -> Iterator[None]:
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / LOCK_NAME, "a+") as handle:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+
+
+def _replace_atomically(path: Path, write) -> None:
+    """Write through `write(temp_path)` into a temporary sibling, fsync it, then rename it over `path`."""
+    handle, temp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(handle)
+    try:
+        write(temp)
+        with open(temp, "rb") as written:
+            os.fsync(written.fileno())
+        os.replace(temp, path)
+    finally:
+        if os.path.exists(temp):
+            os.remove(temp)
+
+
+def _order_columns(frame: pd.DataFrame) -> pd.DataFrame:
+    losses = sorted(c for c in frame.columns if c.startswith(LOSS_PREFIX))
+    others = [c for c in frame.columns if c not in FIXED_COLUMNS and c not in losses]
+    return frame[[c for c in FIXED_COLUMNS if c in frame.columns] + losses + others]
+
+
+def _read_table(folder: Path) -> pd.DataFrame:
+    path = folder / TABLE_NAME
+    if not path.exists():
+        return pd.DataFrame(columns=list(FIXED_COLUMNS))
+    return pd.read_parquet(path)
+
+
+def append_result(result: EndpointResult, folder: str | os.PathLike | None = None) -> pd.DataFrame:
+    """Add (or replace, by run_id and branch) `result`'s row; return the whole table as written."""
+    folder = Path(folder) if folder is not None else default_results_dir()
+    row = result.to_row()
+    if not row["time"]:
+        row["time"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    with _locked(folder, exclusive=True):
+        table = _read_table(folder)
+        if len(table):
+            same = (table["run_id"] == row["run_id"]) & (table["branch"] == row["branch"])
+            table = table[~same]
+        new = pd.DataFrame([row])
+        table = new if not len(table) else pd.concat([table, new], ignore_index=True)
+        table = _order_columns(table).sort_values(list(KEY), kind="stable").reset_index(drop=True)
+        _replace_atomically(folder / TABLE_NAME, lambda p: table.to_parquet(p, index=False))
+        _replace_atomically(folder / CSV_NAME, lambda p: table.to_csv(p, index=False))
+    return table
+
+
+def read_results(folder: str | os.PathLike | None = None) -> pd.DataFrame:
+    """The results table (one row per endpoint, sorted by run_id, branch); empty if none yet."""
+    folder = Path(folder) if folder is not None else default_results_dir()
+    if not (folder / TABLE_NAME).exists():
+        return pd.DataFrame(columns=list(FIXED_COLUMNS))
+    with _locked(folder, exclusive=False):
+        return _read_table(folder)

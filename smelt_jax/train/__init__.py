@@ -1,0 +1,1 @@
+"""Training: checkpoints (and, later, the trainer, schedules and metrics)."""

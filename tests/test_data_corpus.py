@@ -1,0 +1,252 @@
+"""The corpus build: sources, splitting, provenance, checksums, idempotence; and the byte tokenizer."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from data_helpers import TINY_SOURCES, build_tiny_corpus, tiny_config, write_fake_tree
+
+from smelt_jax.data.corpus import (
+    MANIFEST_NAME,
+    BuildConfig,
+    Corpus,
+    CorpusError,
+    build_corpus,
+    verify_corpus,
+)
+from smelt_jax.data.sources import (
+    DEFAULT_SOURCES,
+    FileSet,
+    Roots,
+    SourceSpec,
+    list_files,
+    split_document,
+)
+from smelt_jax.data.tokenizer import ByteTokenizer
+
+
+def _documents(corpus: Corpus, source: str, split: str) -> list[bytes]:
+    part = corpus.split(source, split)
+    tok = corpus.tokenizer
+    out = []
+    for d in range(part.num_documents):
+        ids = np.asarray(part.document(d))
+        assert ids[0] == tok.bos_id and ids[-1] == tok.eos_id
+        assert (ids[1:-1] < 256).all()
+        out.append(ids[1:-1].astype(np.uint8).tobytes())
+    return out
+
+
+# Tokenizer ----------------------------------------------------------------------------------------
+def test_tokenizer_round_trip_and_specials():
+    tok = ByteTokenizer()
+    text = "naïve café — ∑ x² \n\t end"
+    ids = tok.encode(text)
+    assert ids.dtype == np.uint16 and ids.size == len(text.encode())
+    assert tok.decode(ids) == text
+    doc = tok.encode_document(text)
+    assert doc[0] == tok.bos_id and doc[-1] == tok.eos_id and tok.decode(doc) == text
+    assert tok.vocab_size % 128 == 0 and tok.vocab_size > tok.pad_id
+    with pytest.raises(ValueError):
+        ByteTokenizer(bos_id=5)
+    with pytest.raises(ValueError):
+        ByteTokenizer(vocab_size=258)
+
+
+# Source helpers ------------------------------------------------------------------------------------
+def test_split_document_cuts_at_natural_boundaries():
+    rng = np.random.default_rng(0)
+    paragraphs = [f"word{i} " * int(rng.integers(1, 15)) for i in range(80)]  # each < 150 bytes
+    text = "\n\n".join(paragraphs).encode()
+    chunks = split_document(text, 300)
+    assert len(chunks) > 5 and b"".join(chunks) == text
+    assert all(0 < len(c) <= 300 for c in chunks)
+    # A blank line always lies in the second half of a window here: every cut follows one.
+    assert all(c.endswith(b"\n\n") for c in chunks[:-1])
+    lines = b"".join(b"%03d " % i * 9 + b"\n" for i in range(40))  # 37-byte lines, no blank line
+    assert all(c.endswith(b"\n") and len(c) <= 300 for c in split_document(lines, 300)[:-1])
+    assert split_document(b"x" * 1000, 300) == [b"x" * 300] * 3 + [b"x" * 100]  # no newline: hard cut
+    with pytest.raises(ValueError):
+        split_document(b"abc", 0)
+
+
+def test_list_files_patterns_and_excludes(tmp_path):
+    for rel in ("a.py", "pkg/b.py", "pkg/tests/c.py", "pkg/d.txt", "sys/e.h", "f.h", "deep/sys/g.h"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("x")
+    assert list_files(tmp_path, FileSet("r", ("**/*.py",), ("**/tests/**",))) == ["a.py", "pkg/b.py"]
+    assert list_files(tmp_path, FileSet("r", ("*.h", "sys/*.h"))) == ["f.h", "sys/e.h"]
+    assert list_files(tmp_path / "missing", FileSet("r", ("*",))) == []
+
+
+# Build ---------------------------------------------------------------------------------------------
+def test_tiny_build_contents_provenance_and_splits(tmp_path):
+    corpus = build_tiny_corpus(tmp_path)
+    manifest = corpus.manifest
+    assert set(corpus.sources) == {s.name for s in TINY_SOURCES}
+    src = tmp_path / "src"
+    fake_py = {p.read_bytes() for p in (src / "stdlib" / "pkg").glob("mod*.py")}
+    for source in corpus.sources:
+        train, val = _documents(corpus, source, "train"), _documents(corpus, source, "val")
+        assert train and val, f"{source}: both splits must be non-empty"
+        assert not set(train) & set(val)
+        meta = manifest["sources"][source]["splits"]
+        assert meta["train"]["documents"] == len(train) and meta["val"]["documents"] == len(val)
+        origins = (corpus.folder / meta["val"]["files"]["origins"]).read_text().splitlines()
+        assert len(origins) == len(val)
+    # Code documents are chunks (<= 512 bytes) of the fake modules; chunks of one file stay together.
+    code = _documents(corpus, "code", "train") + _documents(corpus, "code", "val")
+    assert all(len(d) <= 512 for d in code)
+    assert sorted(fake_py) == sorted(set(fake_py))  # distinct fake files
+    rebuilt = {}
+    for split in ("train", "val"):
+        part = corpus.manifest["sources"]["code"]["splits"][split]
+        origins = (corpus.folder / part["files"]["origins"]).read_text().splitlines()
+        for origin, doc in zip(origins, _documents(corpus, "code", split)):
+            rebuilt.setdefault(origin.split("#")[0], []).append((split, doc))
+    assert {b"".join(d for _, d in chunks) for chunks in rebuilt.values()} == fake_py
+    assert all(len({s for s, _ in chunks}) == 1 for chunks in rebuilt.values())
+    # Binary, non-UTF-8 and pattern-excluded files are not used, and are counted.
+    prov = manifest["sources"]["code"]["provenance"][0]
+    assert prov["files_matched"] == len(fake_py) + 2 and prov["files_used"] == len(fake_py)
+    assert prov["files_skipped"] == 2
+    words = b"".join(_documents(corpus, "words", "train") + _documents(corpus, "words", "val"))
+    assert b"Function docstring number" in words and b"def g" not in words
+    assert manifest["tokenizer"]["version"] == "bytes-v1"
+    assert manifest["totals"]["train"]["tokens"] == corpus.num_tokens("train")
+
+
+def test_split_depends_only_on_content(tmp_path):
+    """Renaming every file (so the read order changes) keeps the same validation documents."""
+    first = build_tiny_corpus(tmp_path / "a")
+    roots = write_fake_tree(tmp_path / "b" / "src")
+    for path in sorted(Path(roots.stdlib, "pkg").glob("mod*.py")):
+        path.rename(path.with_name("z_" + path.name))
+    second = Corpus(build_corpus(tmp_path / "b" / "corpus", tiny_config(roots), progress=False).folder)
+    assert sorted(_documents(first, "code", "val")) == sorted(_documents(second, "code", "val"))
+
+
+def test_duplicates_across_sources_kept_once(tmp_path):
+    roots = write_fake_tree(tmp_path / "src")
+    Path(roots.licenses, "COPY.py").write_text(Path(roots.stdlib, "pkg", "mod00.py").read_text())
+    sources = TINY_SOURCES[:1] + (SourceSpec("dup", "prose:english", "licences",
+                                             (FileSet("licenses", ("*",)),), 1_000_000),)
+    config = BuildConfig(sources=sources, roots=roots, val_fraction=0.2, max_document_bytes=100_000)
+    corpus = Corpus(build_corpus(tmp_path / "c", config, progress=False).folder)
+    dup_docs = _documents(corpus, "dup", "train") + _documents(corpus, "dup", "val")
+    assert Path(roots.stdlib, "pkg", "mod00.py").read_bytes() not in dup_docs
+    assert corpus.manifest["sources"]["dup"]["duplicates_dropped"] == 1
+
+
+def test_build_is_idempotent_and_detects_corruption(tmp_path):
+    roots = write_fake_tree(tmp_path / "src")
+    config = tiny_config(roots)
+    first = build_corpus(tmp_path / "corpus", config, progress=False)
+    assert first.built
+    mtimes = {p.name: p.stat().st_mtime_ns for p in first.folder.iterdir()}
+    second = build_corpus(tmp_path / "corpus", config, progress=False)
+    assert not second.built and second.manifest["corpus_digest"] == first.manifest["corpus_digest"]
+    assert {p.name: p.stat().st_mtime_ns for p in first.folder.iterdir()} == mtimes
+    # A different recipe over the same folder is refused.
+    with pytest.raises(CorpusError, match="another recipe"):
+        build_corpus(tmp_path / "corpus", tiny_config(roots, corpus_version="other"), progress=False)
+    # Flip one byte in a shard: verification and a rebuild attempt both name the file.
+    name = first.manifest["sources"]["code"]["splits"]["train"]["files"]["tokens"]
+    path = first.folder / name
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorpusError, match=name.replace(".", r"\.") + ": sha256 mismatch"):
+        verify_corpus(first.folder)
+    with pytest.raises(CorpusError, match="sha256 mismatch"):
+        build_corpus(tmp_path / "corpus", config, progress=False)
+    Corpus(first.folder)  # a cheap open (sizes only) still works
+    # --force rebuilds to the identical corpus.
+    forced = build_corpus(tmp_path / "corpus", config, force=True, progress=False)
+    assert forced.built and forced.manifest["checksums"] == first.manifest["checksums"]
+    verify_corpus(first.folder)
+    # A missing file is reported too.
+    os.remove(first.folder / name)
+    with pytest.raises(CorpusError, match="missing"):
+        verify_corpus(first.folder)
+
+
+def test_open_refuses_other_tokenizer_and_bad_folders(tmp_path):
+    corpus = build_tiny_corpus(tmp_path)
+    with pytest.raises(CorpusError, match="tokenizer"):
+        Corpus(corpus.folder, tokenizer=ByteTokenizer(vocab_size=1024))
+    with pytest.raises(CorpusError, match="no corpus"):
+        Corpus(tmp_path / "nowhere")
+    manifest = json.loads((corpus.folder / MANIFEST_NAME).read_text())
+    manifest["sources"]["code"]["splits"]["train"]["tokens"] += 1
+    (corpus.folder / MANIFEST_NAME).write_text(json.dumps(manifest))
+    with pytest.raises(CorpusError, match="does not match"):
+        Corpus(corpus.folder)
+    with pytest.raises(ValueError):
+        BuildConfig(sources=TINY_SOURCES, roots=Roots(None, None, None, None, None), val_fraction=0)
+
+
+def test_source_without_text_is_an_error(tmp_path):
+    empty = Roots(stdlib=str(tmp_path), site_packages=None, python_include=None, usr_include=None,
+                  licenses=None)
+    with pytest.raises(CorpusError, match="no readable text"):
+        build_corpus(tmp_path / "c", tiny_config(empty), progress=False)
+
+
+def test_default_sources_find_text_on_this_machine(tmp_path):
+    """The default recipe at 1/40 of its caps: every source reads real text from its real roots."""
+    small = tuple(dataclasses.replace(s, max_bytes=s.max_bytes // 40) for s in DEFAULT_SOURCES)
+    corpus = Corpus(build_corpus(tmp_path / "small", BuildConfig(sources=small), progress=False).folder)
+    assert sorted(s.name for s in DEFAULT_SOURCES) == sorted(corpus.sources)
+    for spec in small:
+        meta = corpus.manifest["sources"][spec.name]
+        used = sum(p["bytes"] for p in meta["provenance"])
+        assert spec.max_bytes <= used <= spec.max_bytes + (1 << 20), spec.name
+        assert meta["splits"]["train"]["documents"] > 0 and meta["splits"]["val"]["documents"] > 0
+    python = corpus.tokenizer.decode(corpus.split("python", "train").tokens[:200_000])
+    assert "def " in python and "import " in python
+    c_code = corpus.tokenizer.decode(corpus.split("c", "train").tokens[:200_000])
+    assert "#define" in c_code or "#include" in c_code
+
+
+@pytest.mark.slow
+def test_default_corpus_builds_offline(tmp_path):
+    """The real default corpus from this machine's stdlib, site-packages and /usr (20-35 s on 2 cores)."""
+    started = time.time()
+    result = build_corpus(tmp_path / "default", BuildConfig(), progress=False)
+    seconds = time.time() - started
+    corpus = Corpus(result.folder)
+    assert {s.name for s in DEFAULT_SOURCES} == set(corpus.sources)
+    kinds = {corpus.manifest["sources"][s]["kind"] for s in corpus.sources}
+    assert {"code:python", "code:c", "prose:english", "structured"} <= kinds
+    for spec in DEFAULT_SOURCES:
+        meta = corpus.manifest["sources"][spec.name]
+        assert meta["splits"]["train"]["tokens"] > 500_000, spec.name
+        assert meta["splits"]["val"]["tokens"] > 10_000, spec.name
+        # A source stops within one file (<= 1 MiB) past its cap.
+        assert meta["splits"]["train"]["text_bytes"] + meta["splits"]["val"]["text_bytes"] \
+            <= spec.max_bytes + (1 << 20)
+    total_mb = sum(p.stat().st_size for p in result.folder.iterdir()) / 1e6
+    assert total_mb < 80
+    assert seconds < 90
+    text = corpus.tokenizer.decode(corpus.split("python", "train").document(0))
+    assert "def " in text or "import " in text or "class " in text
+
+
+def test_cli_info_and_errors(tmp_path, capsys):
+    from smelt_jax.cli import main
+
+    corpus = build_tiny_corpus(tmp_path)
+    assert main(["data", "info", "--dir", str(corpus.folder), "--verify"]) == 0
+    out = capsys.readouterr().out
+    assert "bytes-v1" in out and "checksums verified" in out
+    for source in corpus.sources:
+        assert f"| {source} |" in out
+    assert main(["data", "info", "--dir", str(tmp_path / "none")]) == 2
+    assert "no corpus" in capsys.readouterr().err
