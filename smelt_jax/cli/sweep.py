@@ -1,0 +1,167 @@
+"""`smelt sweep plan|submit|status|cancel SUITE` and `smelt results collect` (docs/sweeps.md)."""
+
+from __future__ import annotations
+
+import functools
+import shlex
+from pathlib import Path
+
+from smelt_jax.cli import CliError
+from smelt_jax.sweep.graph import JobGraph, JobStatus, count_statuses, suite_graph
+
+BACKENDS = ("local", "xpk", "tpu-vm")
+
+
+def _user_errors(handler):
+    """Missing tools, a busy or failed sweep: one line (exit 2), not a traceback."""
+    @functools.wraps(handler)
+    def wrapped(args) -> int:
+        try:
+            return handler(args)
+        except RuntimeError as err:
+            raise CliError(str(err)) from err
+    return wrapped
+
+
+def _backend(args, suite: str):
+    from smelt_jax.sweep.base import CloudSettings
+    root = Path(args.root) if args.root else None
+    if args.backend == "local":
+        from smelt_jax.sweep.local import DEFAULT_COMMAND, LocalBackend, LocalSettings
+        command = tuple(shlex.split(args.command)) if args.command else DEFAULT_COMMAND
+        return LocalBackend(LocalSettings(root=root, command=command, parallel=args.parallel,
+                                          progress=not args.no_progress))
+    out = Path(args.out) if args.out else Path("sweeps") / suite / args.backend
+    overrides = {k: getattr(args, k) for k in ("image", "bucket", "project", "zone", "cluster",
+                                               "max_restarts") if getattr(args, k) is not None}
+    settings = CloudSettings(out_dir=out, root=root, **overrides)
+    if args.backend == "xpk":
+        from smelt_jax.sweep.xpk import XpkBackend
+        return XpkBackend(settings)
+    from smelt_jax.sweep.tpu_vm import TpuVmBackend
+    return TpuVmBackend(settings)
+
+
+def _graph(args) -> JobGraph:
+    return suite_graph(args.suite)
+
+
+@_user_errors
+def cmd_plan(args) -> int:
+    from smelt_jax.sweep.tpu import tpu_type_for
+    graph = _graph(args)
+    print(f"{'job':<42} {'run id':<46} {'phase':<7} {'needs':<14} {'tpu':<8}")
+    for job in graph.jobs:
+        needs = "-" if job.is_stable else f"ckpt@{job.fork_step}"
+        print(f"{job.name:<42} {job.run.id:<46} {job.phase:<7} {needs:<14} {tpu_type_for(job.run):<8}")
+    n_stable = sum(job.is_stable for job in graph.jobs)
+    print(f"{len(graph.jobs)} jobs: {n_stable} stable + {len(graph.jobs) - n_stable} branches")
+    if args.backend:
+        for planned in _backend(args, graph.suite).plan(graph):
+            for command in planned.commands:
+                print(command)
+    return 0
+
+
+@_user_errors
+def cmd_submit(args) -> int:
+    graph = _graph(args)
+    backend = _backend(args, graph.suite)
+    if args.backend == "local":
+        return backend.submit(graph)
+    return 1 if backend.submit(graph, execute=args.submit) else 0
+
+
+def _endpoint_counts(graph: JobGraph, root: Path | None) -> tuple[int, int]:
+    from smelt_jax.rundir import run_dir
+    branches = [job for job in graph.jobs if not job.is_stable]
+    written = sum(run_dir(graph.suite, job.run.id, root).endpoint(job.branch).exists() for job in branches)
+    return written, len(branches)
+
+
+@_user_errors
+def cmd_status(args) -> int:
+    graph = _graph(args)
+    statuses = _backend(args, graph.suite).status(graph)
+    if args.all:
+        print(f"{'job':<42} {'phase':<7} status")
+        for job in graph.jobs:
+            print(f"{job.name:<42} {job.phase:<7} {statuses[job.name].value}")
+    counts = count_statuses(statuses)
+    print(" ".join(f"{status.value}={counts[status.value]}" for status in JobStatus)
+          + f"  (of {len(graph.jobs)} jobs)")
+    root = Path(args.root) if args.root else None
+    written, expected = _endpoint_counts(graph, root)
+    rows = counts["done"] - sum(statuses[j.name] == JobStatus.DONE for j in graph.jobs if j.is_stable)
+    print(f"endpoints: {written} written, {rows} in the results store, {expected} expected")
+    return 0
+
+
+@_user_errors
+def cmd_cancel(args) -> int:
+    graph = _graph(args)
+    backend = _backend(args, graph.suite)
+    execute = args.submit or args.backend == "local"
+    commands = backend.cancel(graph, args.job or None, execute=execute)
+    for command in commands:
+        print(command)
+    if not commands:
+        print("nothing to cancel")
+    elif not execute:
+        print("# dry run: pass --submit to run these")
+    return 0
+
+
+@_user_errors
+def cmd_collect(args) -> int:
+    from smelt_jax.sweep.collect import collect
+    reports = collect(args.root, [args.suite] if args.suite else None)
+    for report in reports:
+        print(f"{report.suite}: {report.endpoints} endpoints, {report.appended} rows appended")
+    if not reports:
+        print("no suites found")
+    return 0
+
+
+def _common(parser, backend_required: bool) -> None:
+    parser.add_argument("suite", help="suite name (smelt16, ablations200m, micro, smoke)")
+    parser.add_argument("--backend", choices=BACKENDS, required=backend_required)
+    parser.add_argument("--root", help="local runs root (default $SMELT_RUNS_DIR or ./runs)")
+    local = parser.add_argument_group("local backend")
+    local.add_argument("--parallel", type=int, default=1, help="jobs at a time (default 1)")
+    local.add_argument("--command", help="trainer command instead of `python -m smelt_jax` "
+                                         "(each job appends: train RUN_ID [--branch K])")
+    local.add_argument("--no-progress", action="store_true", help="no progress bar")
+    cloud = parser.add_argument_group("xpk / tpu-vm backends")
+    cloud.add_argument("--submit", action="store_true",
+                       help="run the commands (default: dry run, write and print them)")
+    cloud.add_argument("--out", help="folder for commands and manifests (default sweeps/SUITE/BACKEND)")
+    for name in ("image", "bucket", "project", "zone", "cluster"):
+        cloud.add_argument(f"--{name}")
+    cloud.add_argument("--max-restarts", type=int, dest="max_restarts")
+
+
+def register(subparsers) -> None:
+    sweep = subparsers.add_parser("sweep", help="plan, submit and monitor a suite's jobs")
+    verbs = sweep.add_subparsers(dest="verb", metavar="VERB", required=True)
+    plan = verbs.add_parser("plan", help="list the job graph (and a backend's commands)")
+    _common(plan, backend_required=False)
+    plan.set_defaults(handler=cmd_plan)
+    submit = verbs.add_parser("submit", help="run (local) or render/submit (xpk, tpu-vm) the jobs")
+    _common(submit, backend_required=True)
+    submit.set_defaults(handler=cmd_submit)
+    status = verbs.add_parser("status", help="pending/ready/running/done/failed counts")
+    _common(status, backend_required=False)
+    status.add_argument("--all", action="store_true", help="one line per job")
+    status.set_defaults(handler=cmd_status, backend="local")
+    cancel = verbs.add_parser("cancel", help="stop a local sweep, or delete cloud jobs")
+    _common(cancel, backend_required=True)
+    cancel.add_argument("--job", action="append", help="job name (repeatable; cloud backends)")
+    cancel.set_defaults(handler=cmd_cancel)
+
+    results = subparsers.add_parser("results", help="the results store")
+    results_verbs = results.add_subparsers(dest="verb", metavar="VERB", required=True)
+    collect = results_verbs.add_parser("collect", help="append endpoint rows missing from the store")
+    collect.add_argument("--suite", help="only this suite (required for gs:// roots)")
+    collect.add_argument("--root", help="runs root: a local path or gs://... (default $SMELT_RUNS_DIR or ./runs)")
+    collect.set_defaults(handler=cmd_collect)

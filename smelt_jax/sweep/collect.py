@@ -1,0 +1,95 @@
+"""Gather endpoint rows from run folders into the results store.
+
+Each finished branch writes `branch<k>/endpoint.json` (its results row) and then appends that row to
+the suite's store; a process killed between the two leaves an endpoint without its row. Collecting
+appends every such row, so no endpoint is lost and none is trained twice. Appends replace rows of the
+same (run_id, branch), so collecting twice changes nothing.
+
+Run folders may be local or on a bucket (gs://, read through gcsfs when it is installed); the rows go
+to the local results store of each suite.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from smelt_jax.rundir import results_dir, runs_root
+from smelt_jax.sweep.graph import stored_endpoint_keys
+
+ENDPOINT_GLOB = "*/branch*/endpoint.json"  # <suite>/<run id>/branch<k>/endpoint.json
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectReport:
+    suite: str
+    endpoints: int   # endpoint.json files found
+    appended: int    # rows that were missing from the store
+
+
+def endpoint_result(row: dict):
+    """The `EndpointResult` an endpoint.json row describes (loss_<source> keys -> losses_by_source)."""
+    from smelt_jax.results import FIXED_COLUMNS, LOSS_PREFIX, EndpointResult
+    missing = [c for c in ("run_id", "branch") if c not in row]
+    if missing:
+        raise ValueError(f"endpoint row lacks {missing}: {sorted(row)}")
+    fields = {k: v for k, v in row.items() if k in FIXED_COLUMNS}
+    losses = {k[len(LOSS_PREFIX):]: v for k, v in row.items() if k.startswith(LOSS_PREFIX)}
+    return EndpointResult(**fields, losses_by_source=losses)
+
+
+def _append_missing(suite: str, rows: list[dict], store_root: Path) -> int:
+    from smelt_jax.results import append_result
+    stored = stored_endpoint_keys(suite, store_root)
+    appended = 0
+    for row in rows:
+        if (row.get("run_id"), row.get("branch")) not in stored:
+            append_result(endpoint_result(row), results_dir(suite, store_root))
+            appended += 1
+    return appended
+
+
+def collect_suite(suite: str, root: Path | None = None) -> CollectReport:
+    """Appends the missing endpoint rows of one suite under a local runs root."""
+    root = Path(root) if root is not None else runs_root()
+    files = sorted((root / suite).glob(ENDPOINT_GLOB))
+    rows = [json.loads(path.read_text()) for path in files]
+    return CollectReport(suite, len(files), _append_missing(suite, rows, root))
+
+
+def _bucket_rows(root: str, suite: str) -> list[dict]:
+    try:
+        import fsspec
+        import gcsfs  # noqa: F401  (registers gs:// with fsspec)
+    except ImportError as err:
+        raise RuntimeError(f"reading {root} needs gcsfs (`pip install gcsfs`), which is not installed; "
+                           "or copy the endpoints locally first: gcloud storage rsync -r "
+                           f"{root}/{suite} runs/{suite} --exclude='.*/checkpoints/.*' and pass --root runs"
+                           ) from err
+    fs, base = fsspec.core.url_to_fs(f"{root.rstrip('/')}/{suite}")
+    return [json.loads(fs.cat(path)) for path in sorted(fs.glob(f"{base}/{ENDPOINT_GLOB}"))]
+
+
+def collect(root: str | Path | None = None, suites: list[str] | None = None,
+            store_root: Path | None = None) -> list[CollectReport]:
+    """Collects every suite under `root` (or the named ones). A gs:// root's rows go to the local
+    store under `store_root` (default: the local runs root)."""
+    root_text = str(root) if root is not None else str(runs_root())
+    if root_text.startswith("gs://"):
+        if not suites:
+            raise ValueError("collecting from a bucket needs --suite (listing a bucket's suites is "
+                             "not supported)")
+        store = Path(store_root) if store_root is not None else runs_root()
+        reports = []
+        for suite in suites:
+            rows = _bucket_rows(root_text, suite)
+            reports.append(CollectReport(suite, len(rows), _append_missing(suite, rows, store)))
+        return reports
+    if "://" in root_text:
+        raise ValueError(f"unsupported runs root {root_text!r}: a local path or gs://")
+    local = Path(root_text)
+    if not local.is_dir():
+        raise FileNotFoundError(f"runs root {local} does not exist")
+    names = suites or sorted(p.name for p in local.iterdir() if p.is_dir() and not p.name.startswith("."))
+    return [collect_suite(name, local) for name in names]

@@ -1,0 +1,163 @@
+"""The `tpu-vm` backend: TPU VMs without GKE, through `gcloud compute tpus`.
+
+Per job one script, `jobs/<name>.sh`, that owns a queued resource (a spot slice) named after the job
+and loops until the trainer exits 0:
+
+    slice missing            -> `gcloud compute tpus queued-resources create`
+    slice FAILED / SUSPENDED -> (preempted) delete it and create it again
+    slice ACTIVE             -> `gcloud compute tpus tpu-vm ssh --worker=all --command '<docker run trainer>'`
+    trainer exit 0           -> done: delete the slice
+    exit 42, or the slice went away under it -> retry (at most max_restarts times)
+    any other exit on a healthy slice        -> stop with that exit code
+
+`submit.sh` starts every READY job's script in the background (`nohup`), logging to `logs/<name>.log`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from smelt_jax.sweep.base import (
+    CloudSettings,
+    PlannedJob,
+    cloud_status,
+    execute_ready,
+    print_commands,
+    quote,
+    trainer_command,
+    write_plan,
+)
+from smelt_jax.sweep.graph import Job, JobGraph, JobStatus
+from smelt_jax.sweep.tpu import tpu_slice, tpu_type_for
+
+RESTART_EXIT_CODE = 42
+POLL_SECONDS = 60
+
+
+def worker_command(job: Job, settings: CloudSettings) -> str:
+    """What every host of the slice runs: the trainer in the image, with the bucket as runs root."""
+    registry = settings.image.split("/", 1)[0]
+    docker = ["sudo", "docker", "run", "--rm", "--privileged", "--net=host",
+              "-e", f"SMELT_RUNS_DIR={settings.runs_dir}", settings.image, *trainer_command(job)]
+    return (f"{quote(['sudo', 'gcloud', 'auth', 'configure-docker', registry, '--quiet'])} "
+            f"&& {quote(docker)}")
+
+
+def job_script(graph: JobGraph, job: Job, settings: CloudSettings) -> str:
+    tpu = tpu_slice(tpu_type_for(job.run))
+    where = f"--project={settings.project} --zone={settings.zone}"
+    create = quote(["gcloud", "compute", "tpus", "queued-resources", "create", job.name,
+                    f"--node-id={job.name}", f"--project={settings.project}",
+                    f"--zone={settings.zone}", f"--accelerator-type={tpu.tpu_type}",
+                    f"--runtime-version={tpu.runtime_version}", "--spot"])
+    ssh = quote(["gcloud", "compute", "tpus", "tpu-vm", "ssh", job.name,
+                 f"--project={settings.project}", f"--zone={settings.zone}", "--worker=all",
+                 f"--command={worker_command(job, settings)}"])
+    return f"""#!/usr/bin/env bash
+# {job.name}: {job.run.id} {job.phase} on {tpu.tpu_type} ({tpu.hosts} hosts); retries on preemption.
+# Checkpoints and results: {settings.runs_dir}
+set -uo pipefail
+QR={job.name}
+MAX_RESTARTS={settings.max_restarts}
+POLL_SECONDS=${{SMELT_POLL_SECONDS:-{POLL_SECONDS}}}
+
+state() {{
+  gcloud compute tpus queued-resources describe "$QR" {where} \\
+    --format='value(state.state)' 2>/dev/null || echo MISSING
+}}
+
+delete_slice() {{
+  gcloud compute tpus queued-resources delete "$QR" {where} --force --quiet
+}}
+
+ensure_active() {{  # 0 once the slice is ACTIVE, 1 if it failed or was preempted while waiting
+  case "$(state)" in
+    FAILED|SUSPENDED) delete_slice ;;
+  esac
+  if [ "$(state)" = MISSING ]; then
+    {create} || return 1
+  fi
+  while true; do
+    case "$(state)" in
+      ACTIVE) return 0 ;;
+      FAILED|SUSPENDED|MISSING) return 1 ;;
+    esac
+    sleep "$POLL_SECONDS"
+  done
+}}
+
+attempt=0
+while true; do
+  if ensure_active; then
+    {ssh}
+    rc=$?
+    if [ "$rc" -eq 0 ]; then
+      echo "$QR: done"
+      delete_slice
+      exit 0
+    fi
+    if [ "$rc" -ne {RESTART_EXIT_CODE} ] && [ "$(state)" = ACTIVE ]; then
+      echo "$QR: trainer failed with exit code $rc on a healthy slice; not retrying" >&2
+      exit "$rc"
+    fi
+    echo "$QR: interrupted or preempted (exit $rc)"
+  else
+    echo "$QR: slice failed or was preempted before it became ACTIVE"
+  fi
+  attempt=$((attempt + 1))
+  if [ "$attempt" -gt "$MAX_RESTARTS" ]; then
+    echo "$QR: giving up after $MAX_RESTARTS restarts" >&2
+    exit 1
+  fi
+  sleep "$POLL_SECONDS"
+done
+"""
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuVmBackend:
+    settings: CloudSettings = dataclasses.field(default_factory=CloudSettings)
+    name: str = "tpu-vm"
+
+    def _out(self, *parts: str) -> str:
+        return Path(self.settings.out_dir, *parts).as_posix()
+
+    def plan(self, graph: JobGraph) -> list[PlannedJob]:
+        planned = []
+        for job in graph.jobs:
+            script = f"jobs/{job.name}.sh"
+            launch = (f"mkdir -p {self._out('logs')} && nohup bash {self._out(script)} "
+                      f"> {self._out('logs', job.name + '.log')} 2>&1 & "
+                      f"echo $! > {self._out('logs', job.name + '.pid')}")
+            planned.append(PlannedJob(job.name, (launch,),
+                                      ((script, job_script(graph, job, self.settings)),)))
+        return planned
+
+    def submit(self, graph: JobGraph, *, execute: bool = False) -> int:
+        planned = self.plan(graph)
+        script = write_plan(planned, Path(self.settings.out_dir),
+                            f"TPU VM jobs for suite {graph.suite}: each runs in the background")
+        if not execute:
+            print_commands(planned, script)
+            return 0
+        return execute_ready(planned, self.status(graph), self.settings, "gcloud",
+                             "install the Google Cloud CLI (cloud.google.com/sdk)")
+
+    def status(self, graph: JobGraph) -> dict[str, JobStatus]:
+        return cloud_status(graph, self.settings)
+
+    def cancel(self, graph: JobGraph, names: list[str] | None = None, *,
+               execute: bool = False) -> list[str]:
+        """Stops the retry loop first (else it would recreate the slice), then deletes the slice."""
+        s = self.settings
+        commands = [
+            f"kill \"$(cat {self._out('logs', job.name + '.pid')})\" 2>/dev/null; "
+            + quote(["gcloud", "compute", "tpus", "queued-resources", "delete", job.name,
+                     f"--project={s.project}", f"--zone={s.zone}", "--force", "--quiet"])
+            for job in graph.select(names)]
+        if execute:
+            execute_ready([PlannedJob(f"cancel-{i}", (c,)) for i, c in enumerate(commands)],
+                          {f"cancel-{i}": JobStatus.READY for i in range(len(commands))},
+                          s, "gcloud", "install the Google Cloud CLI")
+        return commands

@@ -1,0 +1,145 @@
+"""The `xpk` backend: TPU pods on GKE. Per job an `xpk workload create` command and the equivalent
+JobSet manifest (for `kubectl apply -f`), validated against the JobSet schema.
+
+Restart policy (both renderings): exit code 42 (the trainer saved and was interrupted) and pod
+disruption (preemption, maintenance) restart the whole JobSet, up to `max_restarts` times; any other
+non-zero exit fails the JobSet at once. In the manifest: the Job's podFailurePolicy turns exit 42 and
+DisruptionTarget into a `PodFailurePolicy` Job failure, which the JobSet failurePolicy restarts; other
+failures exhaust `backoffLimit: 0` and fail the JobSet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import yaml
+
+from smelt_jax.sweep.base import (
+    CloudSettings,
+    PlannedJob,
+    cloud_status,
+    execute_ready,
+    job_paths,
+    print_commands,
+    quote,
+    trainer_command,
+    write_plan,
+)
+from smelt_jax.sweep.graph import Job, JobGraph, JobStatus
+from smelt_jax.sweep.schema import validate_jobset
+from smelt_jax.sweep.tpu import tpu_slice, tpu_type_for
+
+RESTART_EXIT_CODE = 42
+CONTAINER = "trainer"
+
+
+def jobset_manifest(graph: JobGraph, job: Job, settings: CloudSettings) -> dict:
+    """The JobSet for one job: one replicated Job spanning the slice's hosts, one pod per host."""
+    tpu = tpu_slice(tpu_type_for(job.run))
+    paths = job_paths(graph, job, settings)
+    pod_spec = {
+        "restartPolicy": "Never",  # podFailurePolicy requires it
+        "terminationGracePeriodSeconds": 300,  # SIGTERM -> the trainer saves, then exits 42
+        "nodeSelector": {"cloud.google.com/gke-tpu-accelerator": tpu.gke_accelerator,
+                         "cloud.google.com/gke-tpu-topology": tpu.topology},
+        "containers": [{
+            "name": CONTAINER,
+            "image": settings.image,
+            "command": trainer_command(job),
+            "env": [{"name": "SMELT_RUNS_DIR", "value": settings.runs_dir},
+                    {"name": "PYTHONUNBUFFERED", "value": "1"}],
+            "resources": {"limits": {"google.com/tpu": tpu.chips_per_host},
+                          "requests": {"google.com/tpu": tpu.chips_per_host}},
+        }],
+    }
+    job_spec = {
+        "parallelism": tpu.hosts, "completions": tpu.hosts, "completionMode": "Indexed",
+        "backoffLimit": 0,
+        "podFailurePolicy": {"rules": [
+            {"action": "FailJob", "onExitCodes": {"containerName": CONTAINER, "operator": "In",
+                                                  "values": [RESTART_EXIT_CODE]}},
+            {"action": "FailJob", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+        ]},
+        "template": {"metadata": {"labels": {"smelt-jax/job": job.name}}, "spec": pod_spec},
+    }
+    return {
+        "apiVersion": "jobset.x-k8s.io/v1alpha2",
+        "kind": "JobSet",
+        "metadata": {
+            "name": job.name,
+            "labels": {"kueue.x-k8s.io/queue-name": settings.queue, "smelt-jax/suite": graph.suite,
+                       "smelt-jax/phase": job.phase},
+            "annotations": {
+                "alpha.jobset.sigs.k8s.io/exclusive-topology": "cloud.google.com/gke-nodepool",
+                "smelt-jax/run-id": job.run.id, "smelt-jax/tpu-type": tpu.tpu_type,
+                "smelt-jax/checkpoints": paths["checkpoints"], "smelt-jax/results": paths["results"]},
+        },
+        "spec": {
+            "failurePolicy": {
+                "maxRestarts": settings.max_restarts,
+                "rules": [
+                    {"name": "RestartOnExit42OrDisruption", "action": "RestartJobSet",
+                     "onJobFailureReasons": ["PodFailurePolicy"]},
+                    {"name": "FailOnAnyOtherError", "action": "FailJobSet", "onJobFailureReasons": []},
+                ],
+            },
+            "network": {"enableDNSHostnames": True},
+            "replicatedJobs": [{"name": "slice", "replicas": 1, "template": {"spec": job_spec}}],
+        },
+    }
+
+
+def xpk_command(graph: JobGraph, job: Job, settings: CloudSettings) -> str:
+    return quote([
+        "xpk", "workload", "create", f"--cluster={settings.cluster}", f"--project={settings.project}",
+        f"--zone={settings.zone}", f"--workload={job.name}", f"--docker-image={settings.image}",
+        f"--tpu-type={tpu_type_for(job.run)}", "--num-slices=1",
+        f"--max-restarts={settings.max_restarts}", f"--restart-on-exit-codes={RESTART_EXIT_CODE}",
+        f"--env=SMELT_RUNS_DIR={settings.runs_dir}",
+        f"--command={quote(trainer_command(job))}",
+    ])
+
+
+def render_manifest(manifest: dict) -> str:
+    return yaml.safe_dump(manifest, sort_keys=True, default_flow_style=False, width=1000)
+
+
+@dataclasses.dataclass(frozen=True)
+class XpkBackend:
+    settings: CloudSettings = dataclasses.field(default_factory=CloudSettings)
+    name: str = "xpk"
+
+    def plan(self, graph: JobGraph) -> list[PlannedJob]:
+        planned = []
+        for job in graph.jobs:
+            manifest = jobset_manifest(graph, job, self.settings)
+            validate_jobset(manifest)
+            planned.append(PlannedJob(job.name, (xpk_command(graph, job, self.settings),),
+                                      ((f"manifests/{job.name}.yaml", render_manifest(manifest)),)))
+        return planned
+
+    def submit(self, graph: JobGraph, *, execute: bool = False) -> int:
+        planned = self.plan(graph)
+        out = Path(self.settings.out_dir)
+        script = write_plan(planned, out, f"xpk workloads for suite {graph.suite} "
+                            "(or: kubectl apply -f manifests/<job>.yaml)")
+        if not execute:
+            print_commands(planned, script)
+            return 0
+        return execute_ready(planned, self.status(graph), self.settings, "xpk",
+                             "install it with `pip install xpk` (github.com/AI-Hypercomputer/xpk)")
+
+    def status(self, graph: JobGraph) -> dict[str, JobStatus]:
+        return cloud_status(graph, self.settings)
+
+    def cancel(self, graph: JobGraph, names: list[str] | None = None, *,
+               execute: bool = False) -> list[str]:
+        commands = [quote(["xpk", "workload", "delete", f"--cluster={self.settings.cluster}",
+                           f"--project={self.settings.project}", f"--zone={self.settings.zone}",
+                           f"--workload={job.name}"]) for job in graph.select(names)]
+        if execute:
+            execute_ready([PlannedJob(f"cancel-{i}", (c,)) for i, c in enumerate(commands)],
+                          {f"cancel-{i}": JobStatus.READY for i in range(len(commands))},
+                          self.settings, "xpk", "install it with `pip install xpk`")
+        return commands

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# smelt-1p6b-s97-b5-5fb810cc: smelt16-1.6b-s97-smelt-680f7c3c b5 on v5p-128 (16 hosts); retries on preemption.
+# Checkpoints and results: gs://smelt-bucket/smelt/runs
+set -uo pipefail
+QR=smelt-1p6b-s97-b5-5fb810cc
+MAX_RESTARTS=20
+POLL_SECONDS=${SMELT_POLL_SECONDS:-60}
+
+state() {
+  gcloud compute tpus queued-resources describe "$QR" --project=smelt-proj --zone=us-east5-a \
+    --format='value(state.state)' 2>/dev/null || echo MISSING
+}
+
+delete_slice() {
+  gcloud compute tpus queued-resources delete "$QR" --project=smelt-proj --zone=us-east5-a --force --quiet
+}
+
+ensure_active() {  # 0 once the slice is ACTIVE, 1 if it failed or was preempted while waiting
+  case "$(state)" in
+    FAILED|SUSPENDED) delete_slice ;;
+  esac
+  if [ "$(state)" = MISSING ]; then
+    gcloud compute tpus queued-resources create smelt-1p6b-s97-b5-5fb810cc --node-id=smelt-1p6b-s97-b5-5fb810cc --project=smelt-proj --zone=us-east5-a --accelerator-type=v5p-128 --runtime-version=v2-alpha-tpuv5 --spot || return 1
+  fi
+  while true; do
+    case "$(state)" in
+      ACTIVE) return 0 ;;
+      FAILED|SUSPENDED|MISSING) return 1 ;;
+    esac
+    sleep "$POLL_SECONDS"
+  done
+}
+
+attempt=0
+while true; do
+  if ensure_active; then
+    gcloud compute tpus tpu-vm ssh smelt-1p6b-s97-b5-5fb810cc --project=smelt-proj --zone=us-east5-a --worker=all '--command=sudo gcloud auth configure-docker us-docker.pkg.dev --quiet && sudo docker run --rm --privileged --net=host -e SMELT_RUNS_DIR=gs://smelt-bucket/smelt/runs us-docker.pkg.dev/smelt-proj/smelt/smelt-jax:golden python -m smelt_jax train smelt16-1.6b-s97-smelt-680f7c3c --branch 5'
+    rc=$?
+    if [ "$rc" -eq 0 ]; then
+      echo "$QR: done"
+      delete_slice
+      exit 0
+    fi
+    if [ "$rc" -ne 42 ] && [ "$(state)" = ACTIVE ]; then
+      echo "$QR: trainer failed with exit code $rc on a healthy slice; not retrying" >&2
+      exit "$rc"
+    fi
+    echo "$QR: interrupted or preempted (exit $rc)"
+  else
+    echo "$QR: slice failed or was preempted before it became ACTIVE"
+  fi
+  attempt=$((attempt + 1))
+  if [ "$attempt" -gt "$MAX_RESTARTS" ]; then
+    echo "$QR: giving up after $MAX_RESTARTS restarts" >&2
+    exit 1
+  fi
+  sleep "$POLL_SECONDS"
+done

@@ -1,0 +1,223 @@
+"""Cloud rendering: golden xpk / JobSet / tpu-vm output, schema validation of every smelt16 manifest,
+dry run by default, and the tpu-vm retry loop run against a fake `gcloud`.
+
+Regenerate the golden files after an intended change with `SMELT_UPDATE_GOLDEN=1 pytest tests/test_sweep_render.py`.
+"""
+
+import dataclasses
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from experiments import load_suite
+from smelt_jax.descriptors import Parallelism
+from smelt_jax.sweep import base
+from smelt_jax.sweep.base import CloudSettings
+from smelt_jax.sweep.graph import JobStatus, build_graph, suite_graph
+from smelt_jax.sweep.schema import jobset_schema, validation_errors
+from smelt_jax.sweep.tpu_vm import TpuVmBackend, job_script
+from smelt_jax.sweep.xpk import (
+    XpkBackend,
+    jobset_manifest,
+    render_manifest,
+    xpk_command,
+)
+
+GOLDEN = Path(__file__).parent / "golden" / "sweep"
+SETTINGS = CloudSettings(image="us-docker.pkg.dev/smelt-proj/smelt/smelt-jax:golden",
+                         bucket="gs://smelt-bucket/smelt", project="smelt-proj", zone="us-east5-a",
+                         cluster="smelt-v5p", max_restarts=20, out_dir=Path("out"))
+
+
+def golden_jobs():
+    """A stable job at 100m, the last branch at 1.6b, and a branch whose run names its TPU type."""
+    runs = load_suite("smelt16")
+    small = next(r for r in runs if (r.scale, r.sparsity_label, r.arch) == ("100m", "s0", "baseline"))
+    large = next(r for r in runs if (r.scale, r.sparsity_label, r.arch) == ("1.6b", "s97", "smelt"))
+    pinned = dataclasses.replace(next(r for r in runs if r.scale == "600m" and r.arch == "smelt"),
+                                 parallelism=Parallelism(fsdp=4, tpu_type="v6e-16"))
+    graph = build_graph([small, large, pinned])
+    by_run = {}
+    for job in graph.jobs:
+        by_run.setdefault(job.run.id, []).append(job)
+    return graph, [by_run[small.id][0], by_run[large.id][-1], by_run[pinned.id][1]]
+
+
+def check_golden(relative: str, text: str) -> None:
+    path = GOLDEN / relative
+    if os.environ.get("SMELT_UPDATE_GOLDEN"):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    assert path.exists(), f"missing golden {path}; run with SMELT_UPDATE_GOLDEN=1"
+    assert text == path.read_text(), f"{relative} differs from its golden file"
+
+
+def test_golden_xpk_and_jobset():
+    graph, jobs = golden_jobs()
+    for job in jobs:
+        check_golden(f"xpk/{job.name}.cmd", xpk_command(graph, job, SETTINGS) + "\n")
+        check_golden(f"xpk/{job.name}.yaml", render_manifest(jobset_manifest(graph, job, SETTINGS)))
+
+
+def test_golden_tpu_vm():
+    graph, jobs = golden_jobs()
+    planned = {p.name: p for p in TpuVmBackend(SETTINGS).plan(graph)}
+    for job in jobs:
+        check_golden(f"tpu_vm/{job.name}.sh", job_script(graph, job, SETTINGS))
+        check_golden(f"tpu_vm/{job.name}.cmd", "\n".join(planned[job.name].commands) + "\n")
+
+
+def test_rendering_is_deterministic():
+    graph, jobs = golden_jobs()
+    again, _ = golden_jobs()
+    assert [render_manifest(jobset_manifest(graph, j, SETTINGS)) for j in jobs] == \
+        [render_manifest(jobset_manifest(again, j, SETTINGS)) for j in jobs]
+
+
+def test_manifest_semantics():
+    """What the golden files should say, checked field by field."""
+    graph, (stable, branch, pinned) = golden_jobs()
+    m = jobset_manifest(graph, branch, SETTINGS)
+    job_spec = m["spec"]["replicatedJobs"][0]["template"]["spec"]
+    pod = job_spec["template"]["spec"]
+    container = pod["containers"][0]
+    assert container["command"] == ["python", "-m", "smelt_jax", "train", branch.run.id, "--branch", "5"]
+    assert {"name": "SMELT_RUNS_DIR", "value": "gs://smelt-bucket/smelt/runs"} in container["env"]
+    assert pod["nodeSelector"]["cloud.google.com/gke-tpu-topology"] == "4x4x4"  # v5p-128 at 1.6b
+    assert job_spec["parallelism"] == job_spec["completions"] == 16  # 64 chips / 4 per host
+    assert job_spec["backoffLimit"] == 0
+    exit_rule = job_spec["podFailurePolicy"]["rules"][0]
+    assert exit_rule["action"] == "FailJob" and exit_rule["onExitCodes"]["values"] == [42]
+    restart, fail = m["spec"]["failurePolicy"]["rules"]
+    assert restart["action"] == "RestartJobSet" and restart["onJobFailureReasons"] == ["PodFailurePolicy"]
+    assert fail["action"] == "FailJobSet"
+    assert m["spec"]["failurePolicy"]["maxRestarts"] == 20
+    assert m["metadata"]["annotations"]["smelt-jax/checkpoints"].endswith(f"{branch.run.id}/branch5/checkpoints")
+    pinned_pod = jobset_manifest(graph, pinned, SETTINGS)["spec"]["replicatedJobs"][0]["template"]["spec"]
+    assert pinned_pod["template"]["spec"]["nodeSelector"]["cloud.google.com/gke-tpu-accelerator"] == "tpu-v6e-slice"
+    assert "--tpu-type=v6e-16" in xpk_command(graph, pinned, SETTINGS)
+    assert "--tpu-type=v5p-16" in xpk_command(graph, stable, SETTINGS)
+
+
+def test_every_smelt16_manifest_validates():
+    graph = suite_graph("smelt16")
+    assert len(graph.jobs) == 224
+    errors = {job.name: validation_errors(jobset_manifest(graph, job, SETTINGS)) for job in graph.jobs}
+    assert {name: e for name, e in errors.items() if e} == {}
+    names = [yaml.safe_load(render_manifest(jobset_manifest(graph, j, SETTINGS)))["metadata"]["name"]
+             for j in graph.jobs]
+    assert len(set(names)) == 224
+
+
+@pytest.mark.parametrize("corrupt, expected", [
+    (lambda m: m["spec"]["failurePolicy"].update(maxRestart=3), "maxRestart"),  # misspelt field
+    (lambda m: m["spec"]["failurePolicy"]["rules"][0].update(action="Restart"), "Restart"),  # bad enum
+    (lambda m: m["spec"]["failurePolicy"]["rules"][0].pop("name"), "name"),  # required field
+    (lambda m: m["spec"]["replicatedJobs"][0].update(replicas="1"), "replicas"),  # wrong type
+])
+def test_schema_rejects_bad_manifests(corrupt, expected):
+    graph, jobs = golden_jobs()
+    manifest = jobset_manifest(graph, jobs[0], SETTINGS)
+    assert validation_errors(manifest) == []
+    corrupt(manifest)
+    errors = validation_errors(manifest)
+    assert errors and expected in "\n".join(errors)
+
+
+def test_missing_crd_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="shared/schemas/jobset"):
+        jobset_schema(tmp_path / "nope.yaml")
+
+
+def test_dry_run_writes_and_prints_but_runs_nothing(tmp_path, monkeypatch, capsys):
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a dry run must not run commands")
+    monkeypatch.setattr(base.subprocess, "run", forbidden)
+    graph = suite_graph("smoke")
+    for backend, pattern in ((XpkBackend, "manifests/*.yaml"), (TpuVmBackend, "jobs/*.sh")):
+        out = tmp_path / backend.name
+        assert backend(dataclasses.replace(SETTINGS, out_dir=out)).submit(graph) == 0
+        assert len(list(out.glob(pattern))) == len(graph.jobs)
+        script = (out / "submit.sh").read_text()
+        assert all(job.name in script for job in graph.jobs)
+    printed = capsys.readouterr().out
+    assert "xpk workload create" in printed and "nohup bash" in printed and "dry run" in printed
+
+
+def test_submit_needs_the_tool_and_real_settings(tmp_path, monkeypatch):
+    graph = build_graph(load_suite("smoke")[:1])
+    monkeypatch.setattr(base.shutil, "which", lambda tool: None)
+    with pytest.raises(RuntimeError, match="`xpk` is not installed"):
+        XpkBackend(dataclasses.replace(SETTINGS, out_dir=tmp_path)).submit(graph, execute=True)
+    with pytest.raises(RuntimeError, match="`gcloud` is not installed"):
+        TpuVmBackend(dataclasses.replace(SETTINGS, out_dir=tmp_path)).submit(graph, execute=True)
+    monkeypatch.setattr(base.shutil, "which", lambda tool: f"/usr/bin/{tool}")
+    with pytest.raises(ValueError, match="--image, --bucket"):
+        XpkBackend(CloudSettings(out_dir=tmp_path)).submit(graph, execute=True)
+
+
+def test_submit_sends_only_ready_jobs(tmp_path, monkeypatch):
+    sent = []
+    monkeypatch.setattr(base.shutil, "which", lambda tool: f"/usr/bin/{tool}")
+    monkeypatch.setattr(base.subprocess, "run",
+                        lambda cmd, **kw: sent.append(cmd) or subprocess.CompletedProcess(cmd, 0))
+    graph = build_graph(load_suite("smoke")[:2])
+    settings = dataclasses.replace(SETTINGS, out_dir=tmp_path / "out", root=tmp_path / "runs")
+    assert XpkBackend(settings).submit(graph, execute=True) == 0
+    stable = [job.name for job in graph.jobs if job.is_stable]
+    assert [c.split("--workload=")[1].split()[0] for c in sent] == stable  # branches wait: pending
+    statuses = XpkBackend(settings).status(graph)
+    assert {statuses[n] for n in stable} == {JobStatus.READY}
+
+
+FAKE_GCLOUD = """#!/usr/bin/env bash
+# Fake gcloud: one queued resource; `ssh` follows the outcomes listed in $D/outcomes, one per call.
+D="$FAKE_GCLOUD_DIR"
+echo "$1 $2 $3 $4" >> "$D/calls"
+case "$*" in
+  *"queued-resources describe"*) [ -f "$D/slice" ] && echo ACTIVE || exit 1 ;;
+  *"queued-resources create"*) touch "$D/slice" ;;
+  *"queued-resources delete"*) rm -f "$D/slice" ;;
+  *"tpu-vm ssh"*)
+    outcome=$(head -n1 "$D/outcomes"); sed -i 1d "$D/outcomes"
+    case "$outcome" in
+      preempt) rm -f "$D/slice"; exit 255 ;;
+      *) exit "$outcome" ;;
+    esac ;;
+esac
+"""
+
+
+def run_script_with_fake_gcloud(tmp_path, outcomes):
+    graph, jobs = golden_jobs()
+    bin_dir, state = tmp_path / "bin", tmp_path / "state"
+    bin_dir.mkdir()
+    state.mkdir()
+    (bin_dir / "gcloud").write_text(FAKE_GCLOUD)
+    (bin_dir / "gcloud").chmod(0o755)
+    (state / "outcomes").write_text("\n".join(outcomes) + "\n")
+    script = tmp_path / "job.sh"
+    script.write_text(job_script(graph, jobs[1], SETTINGS))
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_GCLOUD_DIR": str(state),
+           "SMELT_POLL_SECONDS": "0"}
+    proc = subprocess.run(["bash", str(script)], check=False, env=env, capture_output=True, text=True, timeout=60)
+    calls = (state / "calls").read_text().splitlines()
+    return proc, calls, (state / "slice").exists()
+
+
+def test_tpu_vm_loop_retries_preemption_and_exit_42(tmp_path):
+    proc, calls, slice_left = run_script_with_fake_gcloud(tmp_path, ["preempt", "42", "0"])
+    assert proc.returncode == 0, proc.stderr
+    assert sum("queued-resources create" in c for c in calls) == 2  # recreated after preemption
+    assert sum("tpu-vm ssh" in c for c in calls) == 3
+    assert not slice_left  # deleted once done
+
+
+def test_tpu_vm_loop_stops_on_a_real_failure(tmp_path):
+    proc, calls, _ = run_script_with_fake_gcloud(tmp_path, ["3", "0"])
+    assert proc.returncode == 3
+    assert sum("tpu-vm ssh" in c for c in calls) == 1
+    assert "not retrying" in proc.stderr
