@@ -52,7 +52,7 @@ class NonFiniteLoss(RuntimeError):
 class TrainOptions:
     log_every: int = 10
     eval_every: int = 0  # 0: evaluate at the end of the phase only
-    eval_tokens: int = 32_768  # per source
+    eval_tokens: int = 16_384  # per source
     eval_batch_size: int = 8
     checkpoint_every: int = 100
     max_to_keep: int = 2
@@ -83,6 +83,16 @@ def _write_json_atomically(path: Path, data: Any) -> None:
     temp = path.with_suffix(path.suffix + ".tmp")
     temp.write_text(json.dumps(data, indent=1, sort_keys=True))
     os.replace(temp, path)
+
+
+def enable_compilation_cache() -> None:
+    """Persist compiled programs across processes ($SMELT_XLA_CACHE, default data_cache/xla): the
+    decay branches and resumed runs of a sweep recompile the same train step."""
+    from smelt_jax.data.corpus import default_data_dir
+    folder = Path(os.environ.get("SMELT_XLA_CACHE", default_data_dir() / "xla"))
+    folder.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(folder))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
 def _load_corpus():
@@ -140,6 +150,7 @@ def train(run: RunSpec, branch: int | None = None, *, root: Path | None = None, 
     if is_writer and not rd.spec_file.exists():
         _write_json_atomically(rd.spec_file, {**run.to_dict(), "metadata": _metadata()})
     corpus = corpus if corpus is not None else _load_corpus()
+    enable_compilation_cache()
     from smelt_jax.data.pipeline import TrainPipeline
     from smelt_jax.train.checkpoint import Checkpointer
 
@@ -248,15 +259,15 @@ def train(run: RunSpec, branch: int | None = None, *, root: Path | None = None, 
     if progress is not None:
         progress.close()
     ckpt.wait()
-    losses = evaluate(eval_step, params, corpus, schedule.seq_len, options)
-    summary = {"run_id": run.id, "branch": branch, "step": end, "status": "done",
-               "val_loss": losses["overall"], "losses": losses}
-    with metrics_file.open("a") as log:
+    summary = {"run_id": run.id, "branch": branch, "step": end, "status": "done"}
+    # Endpoints are the decay branches; the stable phase is evaluated only when asked (eval_every).
+    if branch is not None:
+        losses = evaluate(eval_step, params, corpus, schedule.seq_len, options)
+        summary.update(val_loss=losses["overall"], losses=losses)
         if is_writer:
-            log.write(json.dumps({"step": end, "eval": losses}) + "\n")
-    if branch is not None and is_writer:
-        row = write_endpoint(run, branch, losses, root=root, rd=rd)
-        summary["endpoint"] = row
+            with metrics_file.open("a") as log:
+                log.write(json.dumps({"step": end, "eval": losses}) + "\n")
+            summary["endpoint"] = write_endpoint(run, branch, losses, root=root, rd=rd)
     ckpt.close()
     return summary
 
