@@ -1,0 +1,184 @@
+"""Expert SwiGLU over rows sorted by expert, behind one call with interchangeable backends.
+
+`expert_ffn(x_sorted, w_gate, w_up, w_down, group_sizes)` computes, for row i of expert e,
+`(silu(x_i @ Wg[e]) * (x_i @ Wu[e])) @ Wd[e]`. Rows are sorted by expert; `group_sizes[e]` counts the
+rows of expert e; rows past `sum(group_sizes)` are padding and come out as 0.
+
+Precision, the same in every backend: matmuls accumulate in float32, the SwiGLU product is taken in
+float32 and cast to the input dtype before the down projection, the output has the input dtype.
+
+Backends (`impl`):
+- `dense`: every expert on every row, then masked. The reference; E times the needed FLOPs.
+- `ragged_dot`: `jax.lax.ragged_dot`. Native grouped matmul on GPU; on CPU it materialises a dense
+  [groups, m, k] operand (slow).
+- `megablox`: JAX's Pallas TPU grouped matmul (`interpret=True` off TPU); m is padded to the row tile.
+- `capacity`: scatter rows into [E, C, d] buffers, batched einsum, gather back. C = `capacity`
+  (default m, the worst case, so nothing is dropped). Fastest on CPU.
+- `pallas`: the project's own kernel (`smelt_jax.kernels.pallas_ffn.pallas_expert_ffn`), imported lazily.
+- `auto`: TPU -> pallas if importable else megablox; GPU -> ragged_dot; CPU -> capacity.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+EXPERT_BACKENDS = ("dense", "ragged_dot", "megablox", "capacity", "pallas")
+MEGABLOX_ROW_TILE = 128
+MEGABLOX_COL_TILE = 128
+
+
+def _pallas_kernel():
+    """The project's own Pallas kernel, or None when its module is not importable yet."""
+    try:
+        from smelt_jax.kernels.pallas_ffn import pallas_expert_ffn
+    except ImportError:
+        return None
+    return pallas_expert_ffn
+
+
+def resolve_impl(impl: str, platform: str | None = None) -> str:
+    """The backend `impl` names; `auto` picks by platform (default: JAX's default backend)."""
+    if impl != "auto":
+        if impl not in EXPERT_BACKENDS:
+            raise ValueError(f"expert impl {impl!r} not in {('auto',) + EXPERT_BACKENDS}")
+        return impl
+    platform = platform or jax.default_backend()
+    if platform == "tpu":
+        return "pallas" if _pallas_kernel() is not None else "megablox"
+    if platform in ("gpu", "cuda", "rocm"):
+        return "ragged_dot"
+    return "capacity"
+
+
+def _row_expert_ids(group_sizes: jax.Array, m: int) -> jax.Array:
+    """Expert of each sorted row, [m] int32; padding rows get E (one past the last expert)."""
+    ends = jnp.cumsum(group_sizes)
+    return jnp.searchsorted(ends, jnp.arange(m, dtype=ends.dtype), side="right").astype(jnp.int32)
+
+
+def _swiglu(gate: jax.Array, up: jax.Array, dtype) -> jax.Array:
+    """silu(gate) * up in float32, cast to the compute dtype for the down projection."""
+    gate = gate.astype(jnp.float32)
+    return (jax.nn.silu(gate) * up.astype(jnp.float32)).astype(dtype)
+
+
+def _dense(x, w_gate, w_up, w_down, group_sizes):
+    n_experts = w_gate.shape[0]
+    expert_of_row = _row_expert_ids(group_sizes, x.shape[0])
+    gate = jnp.einsum("md,edf->emf", x, w_gate, preferred_element_type=jnp.float32)
+    up = jnp.einsum("md,edf->emf", x, w_up, preferred_element_type=jnp.float32)
+    hidden = _swiglu(gate, up, x.dtype)
+    out = jnp.einsum("emf,efd->emd", hidden, w_down, preferred_element_type=jnp.float32)
+    mask = expert_of_row[None, :] == jnp.arange(n_experts)[:, None]  # [E, m]
+    return jnp.sum(jnp.where(mask[..., None], out, 0.0), axis=0).astype(x.dtype)
+
+
+def _mask_rows(x: jax.Array, valid: jax.Array) -> jax.Array:
+    """Zero the padding rows (`where`, not a product: backends may leave NaN there)."""
+    return jnp.where(valid[:, None], x, jnp.zeros((), x.dtype))
+
+
+def _ragged_dot(x, w_gate, w_up, w_down, group_sizes):
+    valid = jnp.arange(x.shape[0]) < jnp.sum(group_sizes)
+    mm = functools.partial(jax.lax.ragged_dot, group_sizes=group_sizes,
+                           preferred_element_type=jnp.float32)
+    hidden = _swiglu(mm(x, w_gate), mm(x, w_up), x.dtype)
+    return _mask_rows(mm(hidden, w_down), valid).astype(x.dtype)
+
+
+def _megablox(x, w_gate, w_up, w_down, group_sizes, *, interpret: bool | None = None):
+    from jax.experimental.pallas.ops.tpu.megablox import gmm
+
+    if interpret is None:
+        interpret = jax.default_backend() != "tpu"
+    m, d_model = x.shape
+    ffn = w_gate.shape[-1]
+    row_tile = min(MEGABLOX_ROW_TILE, -(-m // 8) * 8)
+    padded_m = -(-m // row_tile) * row_tile
+    x_pad = jnp.pad(x, ((0, padded_m - m), (0, 0)))
+    valid = jnp.arange(padded_m) < jnp.sum(group_sizes)
+
+    def grouped(lhs, rhs, k, n):
+        tiling = (row_tile, min(MEGABLOX_COL_TILE, k), min(MEGABLOX_COL_TILE, n))
+        # Mask on the way in too: gmm leaves padding rows uninitialised, and its backward would
+        # otherwise carry that garbage into the gradient of the padding rows.
+        out = gmm(_mask_rows(lhs, valid), rhs, group_sizes, preferred_element_type=jnp.float32,
+                  tiling=tiling, interpret=interpret)
+        return _mask_rows(out, valid)
+
+    hidden = _swiglu(grouped(x_pad, w_gate, d_model, ffn), grouped(x_pad, w_up, d_model, ffn),
+                     x.dtype)
+    return grouped(hidden, w_down, ffn, d_model)[:m].astype(x.dtype)
+
+
+def _capacity(x, w_gate, w_up, w_down, group_sizes, *, capacity: int):
+    m, d_model = x.shape
+    n_experts = w_gate.shape[0]
+    expert_of_row = _row_expert_ids(group_sizes, m)
+    starts = jnp.cumsum(group_sizes) - group_sizes
+    slot = jnp.arange(m, dtype=jnp.int32) - jnp.take(starts, jnp.minimum(expert_of_row, n_experts - 1))
+    # Padding rows and rows past the capacity get an out-of-range expert and are dropped.
+    kept = (expert_of_row < n_experts) & (slot < capacity)
+    target_expert = jnp.where(kept, expert_of_row, n_experts)
+    buffer = jnp.zeros((n_experts, capacity, d_model), x.dtype)
+    buffer = buffer.at[target_expert, slot].set(x, mode="drop")
+    gate = jnp.einsum("ecd,edf->ecf", buffer, w_gate, preferred_element_type=jnp.float32)
+    up = jnp.einsum("ecd,edf->ecf", buffer, w_up, preferred_element_type=jnp.float32)
+    out = jnp.einsum("ecf,efd->ecd", _swiglu(gate, up, x.dtype), w_down,
+                     preferred_element_type=jnp.float32)
+    rows = out.at[target_expert, slot].get(mode="fill", fill_value=0.0)
+    return rows.astype(x.dtype)
+
+
+def _check(x, w_gate, w_up, w_down, group_sizes):
+    if x.ndim != 2:
+        raise ValueError(f"x_sorted must be [m, d_model], got shape {x.shape}")
+    n_experts, d_model, ffn = w_gate.shape
+    if w_up.shape != w_gate.shape or w_down.shape != (n_experts, ffn, d_model):
+        raise ValueError(f"expert weights disagree: gate {w_gate.shape}, up {w_up.shape}, "
+                         f"down {w_down.shape} (want [E, d, f], [E, d, f], [E, f, d])")
+    if x.shape[1] != d_model:
+        raise ValueError(f"x_sorted width {x.shape[1]} != expert d_model {d_model}")
+    if group_sizes.shape != (n_experts,) or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+        raise ValueError(f"group_sizes must be int [{n_experts}], got {group_sizes.dtype}"
+                         f"{list(group_sizes.shape)}")
+
+
+def expert_ffn(x_sorted: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
+               group_sizes: jax.Array, *, impl: str = "auto", capacity: int | None = None
+               ) -> jax.Array:
+    """SwiGLU of each row with its expert's weights.
+
+    Args:
+      x_sorted: [m, d_model] rows sorted by expert; rows past sum(group_sizes) are padding.
+      w_gate, w_up: [E, d_model, ffn]; w_down: [E, ffn, d_model].
+      group_sizes: [E] int32, rows per expert.
+      impl: a backend name or 'auto' (see the module docstring).
+      capacity: static bound on every group size that the caller guarantees; the `capacity`
+        backend sizes its [E, C, d] buffers with it (None: m, always safe). Other backends ignore it.
+    Returns:
+      [m, d_model] in x_sorted's dtype; padding rows are 0.
+    """
+    _check(x_sorted, w_gate, w_up, w_down, group_sizes)
+    group_sizes = group_sizes.astype(jnp.int32)
+    weights = [w.astype(x_sorted.dtype) for w in (w_gate, w_up, w_down)]
+    backend = resolve_impl(impl)
+    if backend == "dense":
+        return _dense(x_sorted, *weights, group_sizes)
+    if backend == "ragged_dot":
+        return _ragged_dot(x_sorted, *weights, group_sizes)
+    if backend == "megablox":
+        return _megablox(x_sorted, *weights, group_sizes)
+    if backend == "capacity":
+        bound = x_sorted.shape[0] if capacity is None else min(int(capacity), x_sorted.shape[0])
+        if bound <= 0:
+            raise ValueError(f"capacity must be positive, got {capacity}")
+        return _capacity(x_sorted, *weights, group_sizes, capacity=bound)
+    kernel = _pallas_kernel()
+    if kernel is None:
+        raise ImportError("impl='pallas' needs smelt_jax.kernels.pallas_ffn.pallas_expert_ffn, "
+                          "which is not importable")
+    return kernel(x_sorted, *weights, group_sizes)

@@ -1,0 +1,112 @@
+"""Grouped-query attention over packed rows with per-document (segment) masks.
+
+A query attends to a key only when both carry the same segment id and the key's slot (its index in
+the row, or in the KV cache) is not after the query's. RoPE uses per-document positions. The full
+[seq, keys] score matrix is computed and masked, so the attention matmuls cost
+4 * q_width * keys FLOPs per token and layer with keys = the row length (the cost-analysis test's
+convention; see docs/model.md).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from smelt_jax.config import ModelConfig
+from smelt_jax.model.rope import apply_rope
+from smelt_jax.sharding import constrain, param
+
+INIT_STD = 0.02
+
+
+def truncated_normal(rngs: nnx.Rngs, shape, std: float, dtype) -> jax.Array:
+    """Normal(0, std) truncated at +-2 std (a common LM init; docs/model.md)."""
+    return (std * jax.random.truncated_normal(rngs.params(), -2.0, 2.0, shape)).astype(dtype)
+
+
+def segment_causal_mask(query_segments: jax.Array, key_segments: jax.Array,
+                        query_slots: jax.Array, key_slots: jax.Array) -> jax.Array:
+    """[batch, q, k] bool: same document and key slot <= query slot.
+
+    query_segments [batch, q], key_segments [batch, k], query_slots [q], key_slots [k].
+    """
+    same_document = query_segments[:, :, None] == key_segments[:, None, :]
+    causal = key_slots[None, :] <= query_slots[:, None]
+    return same_document & causal[None]
+
+
+def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array
+                          ) -> tuple[jax.Array, jax.Array]:
+    """GQA core.
+
+    q [b, s, kv_heads, group, hd], k and v [b, t, kv_heads, hd], mask [b, s, t].
+    Returns the output [b, s, kv_heads, group, hd] and probabilities [b, kv_heads, group, s, t]
+    (float32). Every query sees at least itself, so no row of the softmax is empty.
+    """
+    scale = q.shape[-1] ** -0.5
+    scores = jnp.einsum("bskgd,btkd->bkgst", q, k, preferred_element_type=jnp.float32) * scale
+    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("bkgst,btkd->bskgd", probs.astype(v.dtype), v,
+                     preferred_element_type=jnp.float32)
+    return out.astype(q.dtype), probs
+
+
+class Attention(nnx.Module):
+    """Q, K, V, O projections without biases; n_heads query heads share n_kv_heads K/V heads."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        d, h, kv, hd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        dtype = jnp.dtype(cfg.param_dtype)
+        self.wq = param(truncated_normal(rngs, (d, h, hd), INIT_STD, dtype),
+                        ("embed", "heads", "head_dim"))
+        self.wk = param(truncated_normal(rngs, (d, kv, hd), INIT_STD, dtype),
+                        ("embed", "kv_heads", "head_dim"))
+        self.wv = param(truncated_normal(rngs, (d, kv, hd), INIT_STD, dtype),
+                        ("embed", "kv_heads", "head_dim"))
+        self.wo = param(truncated_normal(rngs, (h, hd, d), INIT_STD, dtype),
+                        ("heads", "head_dim", "embed"))
+
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, segment_ids: jax.Array,
+                 *, cache: dict | None = None, return_probs: bool = False):
+        """x [b, s, d] (compute dtype), cos/sin [b, s, hd/2], segment_ids [b, s].
+
+        cache: None for a full forward (keys = this row), or {'k', 'v': [b, T, kv, hd],
+        'segment_ids': [b, T] already holding this step's ids, 'index': int32 scalar slot of x[:, 0]}.
+        Returns (out [b, s, d], updated {'k', 'v'} or None, probs or None).
+        """
+        cfg = self.cfg
+        dtype = x.dtype
+        b, s, _ = x.shape
+        group = cfg.n_heads // cfg.n_kv_heads
+        q = jnp.einsum("bsd,dhe->bshe", x, self.wq[...].astype(dtype))
+        k = jnp.einsum("bsd,dhe->bshe", x, self.wk[...].astype(dtype))
+        v = jnp.einsum("bsd,dhe->bshe", x, self.wv[...].astype(dtype))
+        q = constrain(apply_rope(q, cos, sin), ("batch", "seq", "act_heads", None))
+        k = constrain(apply_rope(k, cos, sin), ("batch", "seq", "act_kv_heads", None))
+        v = constrain(v, ("batch", "seq", "act_kv_heads", None))
+        query_slots = jnp.arange(s, dtype=jnp.int32)
+        new_cache = None
+        if cache is None:
+            keys, values, key_segments, key_slots = k, v, segment_ids, query_slots
+        else:
+            index = cache["index"]
+            keys = jax.lax.dynamic_update_slice(cache["k"], k.astype(cache["k"].dtype),
+                                                (0, index, 0, 0))
+            values = jax.lax.dynamic_update_slice(cache["v"], v.astype(cache["v"].dtype),
+                                                  (0, index, 0, 0))
+            new_cache = {"k": keys, "v": values}
+            keys, values = keys.astype(dtype), values.astype(dtype)
+            key_segments = cache["segment_ids"]
+            key_slots = jnp.arange(keys.shape[1], dtype=jnp.int32)
+            query_slots = query_slots + index
+        mask = segment_causal_mask(segment_ids, key_segments, query_slots, key_slots)
+        q = q.reshape(b, s, cfg.n_kv_heads, group, cfg.head_dim)
+        out, probs = dot_product_attention(q, keys, values, mask)
+        out = out.reshape(b, s, cfg.n_heads, cfg.head_dim)
+        out = jnp.einsum("bshe,hed->bsd", out, self.wo[...].astype(dtype))
+        if return_probs:
+            probs = probs.reshape(b, cfg.n_heads, s, keys.shape[1])
+        return out, new_cache, (probs if return_probs else None)

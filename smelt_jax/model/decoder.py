@@ -1,0 +1,167 @@
+"""The decoder: embedding, prefix stack, looped stack (run loop_repeats times, same weights),
+suffix stack, final RMSNorm, untied unembedding.
+
+Each stack is one vmapped Layer scanned over its depth; the loop's visits are an outer scan, so
+compile time depends on neither depth nor loop_repeats. Inside the loop both residual writes are
+scaled by 1/loop_repeats.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from smelt_jax.config import ModelConfig
+from smelt_jax.model.attention import INIT_STD, truncated_normal
+from smelt_jax.model.layer import make_stack, run_stack
+from smelt_jax.model.norm import RMSNorm
+from smelt_jax.model.rope import rope_angles
+from smelt_jax.sharding import constrain, param
+
+STACKS = ("prefix", "loop", "suffix")
+LOAD_STATS = ("counts", "max_over_mean", "dropped_fraction")
+
+
+def stack_layers(cfg: ModelConfig) -> dict[str, range]:
+    """Physical layers of each stack."""
+    return {"prefix": range(cfg.loop_start),
+            "loop": range(cfg.loop_start, cfg.loop_end),
+            "suffix": range(cfg.loop_end, cfg.n_layers)}
+
+
+class Decoder(nnx.Module):
+    """`Decoder(cfg, rngs=nnx.Rngs(seed))`; call with tokens, segment_ids, positions [b, s] int32."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        dtype = jnp.dtype(cfg.param_dtype)
+        self.embedding = param(truncated_normal(rngs, (cfg.vocab, cfg.d_model), INIT_STD, dtype),
+                               ("vocab", "embed"))
+        for name, layers in stack_layers(cfg).items():
+            setattr(self, name, make_stack(cfg, len(layers), rngs) if len(layers) else None)
+        self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, dtype)
+        self.unembedding = param(truncated_normal(rngs, (cfg.d_model, cfg.vocab), INIT_STD, dtype),
+                                 ("embed", "vocab"))
+        # Unrolled scans give the same numbers; XLA's cost analysis counts a while body once,
+        # so the FLOP test unrolls.
+        self.unroll_layers = False
+
+    def __call__(self, tokens: jax.Array, segment_ids: jax.Array, positions: jax.Array, *,
+                 capture: bool = False):
+        """-> (logits [b, s, vocab] float32, aux).
+
+        aux: 'load_balance_loss', 'router_z_loss' (means over executed layers, unweighted),
+        'expert_load' {'counts' [L_exec, E], 'max_over_mean' [L_exec], 'dropped_fraction'
+        [L_exec]} in `cfg.execution_order()`, and with capture=True 'captures'
+        {(physical layer, visit): {'residual', 'dx_attn', 'dx_moe' [b, s, d], 'topk_ids'
+        [b, s, k], 'attn_probs' [b, heads, s, s] (rows up to CAPTURE_ATTENTION_MAX_KEYS)}}.
+        Segment id 0 marks padding: it attends only to padding and is left out of the router
+        losses and load statistics.
+        """
+        logits, aux, _ = self.forward(tokens, segment_ids, positions, capture=capture)
+        return logits, aux
+
+    def forward(self, tokens, segment_ids, positions, *, cache: dict | None = None,
+                capture: bool = False):
+        """The forward pass, optionally reading and extending a KV cache (see model/decode.py).
+
+        Returns (logits, aux, updated cache or None).
+        """
+        cfg = self.cfg
+        _check_inputs(tokens, segment_ids, positions)
+        compute = jnp.dtype(cfg.compute_dtype)
+        x = jnp.take(self.embedding[...], tokens, axis=0).astype(compute)
+        x = constrain(x, ("batch", "seq", "act_embed"))
+        cos, sin = rope_angles(positions, cfg.head_dim, cfg.rope_theta)
+        context = {"cos": cos, "sin": sin, "segment_ids": segment_ids,
+                   "token_mask": segment_ids > 0}
+        shared_cache = None
+        if cache is not None:
+            index = cache["index"]
+            segments = jax.lax.dynamic_update_slice(cache["segment_ids"],
+                                                    segment_ids.astype(jnp.int32), (0, index))
+            shared_cache = {"segment_ids": segments, "index": index}
+        run = {"shared_cache": shared_cache, "capture": capture, "remat": cfg.remat,
+               "unroll": self.unroll_layers}
+        stats, captures, new_cache = {}, {}, {}
+        if self.prefix is not None:
+            x, stats["prefix"], new_cache["prefix"], captures["prefix"] = run_stack(
+                self.prefix, x, context, 1.0, caches=_get(cache, "prefix"), **run)
+        if self.loop is not None:
+            scale = 1.0 / cfg.loop_repeats
+
+            def visit(carry, visit_cache):
+                carry, visit_stats, visit_new_cache, visit_captures = run_stack(
+                    self.loop, carry, context, scale, caches=visit_cache, **run)
+                return carry, (visit_stats, visit_new_cache, visit_captures)
+
+            x, (stats["loop"], new_cache["loop"], captures["loop"]) = jax.lax.scan(
+                visit, x, _get(cache, "loop"), length=cfg.loop_repeats, unroll=self.unroll_layers)
+        if self.suffix is not None:
+            x, stats["suffix"], new_cache["suffix"], captures["suffix"] = run_stack(
+                self.suffix, x, context, 1.0, caches=_get(cache, "suffix"), **run)
+        x = self.final_norm(x)
+        logits = jnp.einsum("bsd,dv->bsv", x, self.unembedding[...].astype(compute),
+                            preferred_element_type=jnp.float32)
+        logits = constrain(logits, ("batch", "seq", "act_vocab"))
+        aux = _aux(cfg, stats)
+        if capture:
+            aux["captures"] = _key_captures(cfg, captures)
+        if cache is not None:
+            new_cache = {**new_cache, "segment_ids": shared_cache["segment_ids"],
+                         "index": cache["index"] + tokens.shape[1]}
+        else:
+            new_cache = None
+        return logits, aux, new_cache
+
+
+def _get(cache: dict | None, name: str):
+    return None if cache is None else cache[name]
+
+
+def _check_inputs(tokens, segment_ids, positions) -> None:
+    if tokens.ndim != 2:
+        raise ValueError(f"tokens must be [batch, seq], got shape {tokens.shape}")
+    for label, array in (("segment_ids", segment_ids), ("positions", positions)):
+        if array.shape != tokens.shape:
+            raise ValueError(f"{label} shape {array.shape} != tokens shape {tokens.shape}")
+    for label, array in (("tokens", tokens), ("segment_ids", segment_ids), ("positions", positions)):
+        if not jnp.issubdtype(array.dtype, jnp.integer):
+            raise ValueError(f"{label} must be integers, got {array.dtype}")
+
+
+def _in_execution_order(cfg: ModelConfig, per_stack: dict) -> list:
+    """Stacked per-layer pytrees -> one pytree with a leading executed-layer axis."""
+    parts = []
+    if "prefix" in per_stack:
+        parts.append(per_stack["prefix"])
+    if "loop" in per_stack:  # [visits, layers, ...] -> [visits * layers, ...], visit-major
+        parts.append(jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), per_stack["loop"]))
+    if "suffix" in per_stack:
+        parts.append(per_stack["suffix"])
+    return jax.tree.map(lambda *a: jnp.concatenate(a, axis=0), *parts)
+
+
+def _aux(cfg: ModelConfig, stats: dict) -> dict:
+    ordered = _in_execution_order(cfg, stats)
+    return {
+        "load_balance_loss": jnp.mean(ordered["load_balance_loss"]),
+        "router_z_loss": jnp.mean(ordered["router_z_loss"]),
+        "expert_load": {name: ordered[name] for name in LOAD_STATS},
+    }
+
+
+def _key_captures(cfg: ModelConfig, captures: dict) -> dict:
+    """{(physical layer, visit): {...}} from the per-stack stacked captures."""
+    keyed = {}
+    for name, layers in stack_layers(cfg).items():
+        if name not in captures:
+            continue
+        for j, layer in enumerate(layers):
+            if name == "loop":
+                for v in range(cfg.loop_repeats):
+                    keyed[(layer, v)] = jax.tree.map(lambda a, v=v, j=j: a[v, j], captures[name])
+            else:
+                keyed[(layer, 0)] = jax.tree.map(lambda a, j=j: a[j], captures[name])
+    return keyed

@@ -1,0 +1,95 @@
+"""Pre-norm decoder layer with a residual-write scale, and stacks of layers run with `lax.scan`.
+
+dx_attn = Attn(norm(x)) * scale;  dx_moe = MoE(norm(x + dx_attn)) * scale;  x <- x + dx_attn + dx_moe.
+scale = 1 / loop_repeats inside the loop span and 1 outside (the paper's SMELT block).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from smelt_jax.config import ModelConfig
+from smelt_jax.model.attention import Attention
+from smelt_jax.model.moe import MoE
+from smelt_jax.model.norm import RMSNorm
+from smelt_jax.sharding import constrain
+
+# Attention probabilities are captured only for rows at most this long ([b, heads, s, keys] each).
+CAPTURE_ATTENTION_MAX_KEYS = 512
+
+REMAT_POLICIES = {
+    "full": None,  # save nothing: recompute the layer in the backward pass
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+class Layer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        dtype = jnp.dtype(cfg.param_dtype)
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, dtype)
+        self.attention = Attention(cfg, rngs=rngs)
+        self.moe_norm = RMSNorm(cfg.d_model, cfg.norm_eps, dtype)
+        self.moe = MoE(cfg, rngs=rngs)
+
+    def __call__(self, x: jax.Array, context: dict, scale: float, *, cache: dict | None = None,
+                 capture: bool = False):
+        """x [b, s, d] -> (x', stats, updated cache {'k', 'v'} or None, captures or {}).
+
+        context: 'cos', 'sin' [b, s, hd/2], 'segment_ids' [b, s], 'token_mask' [b, s] bool.
+        """
+        keys = x.shape[1] if cache is None else cache["k"].shape[1]
+        want_probs = capture and keys <= CAPTURE_ATTENTION_MAX_KEYS
+        attn_out, new_cache, probs = self.attention(
+            self.attn_norm(x), context["cos"], context["sin"], context["segment_ids"],
+            cache=cache, return_probs=want_probs)
+        dx_attn = attn_out * jnp.asarray(scale, x.dtype)
+        moe_out, stats = self.moe(self.moe_norm(x + dx_attn), context["token_mask"])
+        dx_moe = moe_out * jnp.asarray(scale, x.dtype)
+        topk_ids = stats.pop("topk_ids")
+        captures = {}
+        if capture:
+            captures = {"residual": x, "dx_attn": dx_attn, "dx_moe": dx_moe, "topk_ids": topk_ids}
+            if want_probs:
+                captures["attn_probs"] = probs
+        x_out = constrain(x + dx_attn + dx_moe, ("batch", "seq", "act_embed"))
+        return x_out, stats, new_cache, captures
+
+
+def make_stack(cfg: ModelConfig, n_layers: int, rngs: nnx.Rngs) -> Layer:
+    """`n_layers` layers with parameters stacked on a leading 'layers' axis (one Layer, vmapped)."""
+
+    @nnx.split_rngs(splits=n_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def create(layer_rngs: nnx.Rngs) -> Layer:
+        return Layer(cfg, rngs=layer_rngs)
+
+    return create(rngs)
+
+
+def run_stack(stack: Layer, x: jax.Array, context: dict, scale: float, *,
+              caches: dict | None = None, shared_cache: dict | None = None, capture: bool = False,
+              remat: str = "none", unroll: bool = False):
+    """Run a stacked Layer over its leading axis with `lax.scan` (one compiled body for any depth).
+
+    caches: per-layer {'k', 'v'} stacked [n, ...] or None; shared_cache: 'segment_ids', 'index'
+    (the same for every layer). Returns (x, stats stacked [n, ...], caches or None, captures
+    stacked [n, ...]).
+    """
+    graphdef, params = nnx.split(stack)
+
+    def body(carry, per_layer):
+        layer_params, layer_cache = per_layer
+        layer = nnx.merge(graphdef, layer_params)
+        if layer_cache is not None:
+            layer_cache = {**layer_cache, **shared_cache}
+        carry, stats, new_cache, captures = layer(carry, context, scale, cache=layer_cache,
+                                                  capture=capture)
+        return carry, (stats, new_cache, captures)
+
+    if remat != "none":
+        body = jax.checkpoint(body, policy=REMAT_POLICIES[remat])
+    x, (stats, new_caches, captures) = jax.lax.scan(body, x, (params, caches), unroll=unroll)
+    return x, stats, new_caches, captures

@@ -1,0 +1,84 @@
+"""Token-choice softmax router: top-k experts, weights renormalised over the chosen k.
+
+Auxiliary losses (returned unweighted; the trainer multiplies by the config's weights):
+- Switch load balance (Fedus et al. 2021, extended to top-k): E * sum_e f_e * P_e, with f_e the
+  fraction of the T*k assignments that go to expert e and P_e the mean router probability of e.
+  It is 1 under perfectly uniform routing.
+- Router z-loss (ST-MoE, Zoph et al. 2022): mean over tokens of logsumexp(logits)^2.
+Both average over real tokens only (segment id > 0). Router math runs in float32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from smelt_jax.config import ModelConfig
+from smelt_jax.model.attention import INIT_STD, truncated_normal
+from smelt_jax.sharding import param
+
+
+@dataclasses.dataclass(frozen=True)
+class Routing:
+    """expert_ids [T, k] int32, weights [T, k] float32 (rows sum to 1), losses as scalars."""
+
+    expert_ids: jax.Array
+    weights: jax.Array
+    load_balance_loss: jax.Array
+    z_loss: jax.Array
+
+
+def _masked_mean(values: jax.Array, token_mask: jax.Array) -> jax.Array:
+    """Mean over tokens of values [T, ...] where token_mask [T]; 0 when no token is real."""
+    weights = token_mask.astype(jnp.float32)
+    weights = weights.reshape(weights.shape + (1,) * (values.ndim - 1))
+    return jnp.sum(values * weights, axis=0) / jnp.maximum(jnp.sum(token_mask), 1)
+
+
+def route(logits: jax.Array, top_k: int, token_mask: jax.Array) -> Routing:
+    """logits [T, E] float32, token_mask [T] bool (False = padding)."""
+    n_experts = logits.shape[-1]
+    probs = jax.nn.softmax(logits, axis=-1)
+    top_probs, expert_ids = jax.lax.top_k(probs, top_k)
+    weights = top_probs / jnp.sum(top_probs, axis=-1, keepdims=True)
+    assigned = jnp.sum(jax.nn.one_hot(expert_ids, n_experts, dtype=jnp.float32), axis=1)  # [T, E]
+    fraction_assigned = _masked_mean(assigned, token_mask) / top_k
+    mean_prob = _masked_mean(probs, token_mask)
+    load_balance = n_experts * jnp.sum(fraction_assigned * mean_prob)
+    z_loss = _masked_mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)), token_mask)
+    return Routing(expert_ids.astype(jnp.int32), weights, load_balance, z_loss)
+
+
+def expert_load_stats(counts: jax.Array, routed_rows: jax.Array, kept_rows: jax.Array
+                      ) -> dict[str, jax.Array]:
+    """Load of one layer.
+
+    counts [E]: rows of real tokens routed to each expert; routed_rows / kept_rows: all rows
+    (padding included, it occupies capacity too) before and after the capacity drop.
+    max_over_mean: the busiest expert's rows over the mean (1 = balanced);
+    dropped_fraction: rows past an expert's capacity over all rows (0 when dropless).
+    """
+    counts = counts.astype(jnp.float32)
+    return {
+        "counts": counts,
+        "max_over_mean": jnp.max(counts) / jnp.maximum(jnp.mean(counts), 1e-9),
+        "dropped_fraction": 1.0 - kept_rows.astype(jnp.float32) / jnp.maximum(routed_rows, 1),
+    }
+
+
+class Router(nnx.Module):
+    """Linear router [d_model, n_experts], no bias."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.top_k = cfg.top_k
+        self.weight = param(
+            truncated_normal(rngs, (cfg.d_model, cfg.n_experts), INIT_STD, jnp.dtype(cfg.param_dtype)),
+            ("embed", "router_experts"))
+
+    def __call__(self, x: jax.Array, token_mask: jax.Array) -> tuple[jax.Array, Routing]:
+        """x [T, d] -> (logits [T, E] float32, Routing)."""
+        logits = jnp.einsum("td,de->te", x.astype(jnp.float32), self.weight[...].astype(jnp.float32))
+        return logits, route(logits, self.top_k, token_mask)

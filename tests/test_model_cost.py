@@ -1,0 +1,60 @@
+"""XLA's FLOP count of the compiled forward against the budget, and compile time vs depth."""
+
+import time
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from smelt_jax import budget
+from smelt_jax.config import ModelConfig
+from smelt_jax.model import Decoder
+
+# top_k == n_experts: the capacity backend's worst-case buffer (E * T rows) is then exactly the
+# T * top_k rows the budget counts, so XLA's count is comparable. Wide heads keep the softmax and
+# masking (not in the budget) small next to the matmuls.
+COST_CFG = ModelConfig(vocab=512, d_model=128, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=64,
+                       n_experts=2, top_k=2, expert_ffn=256, loop_start=1, loop_length=1,
+                       loop_repeats=2, seq_len=128, expert_impl="capacity")
+TINY = ModelConfig(vocab=256, d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16,
+                   n_experts=8, top_k=2, expert_ffn=32, loop_start=1, loop_length=2,
+                   loop_repeats=2, seq_len=64)
+
+
+def _lowered_forward(model, batch, seq):
+    graphdef, state = nnx.split(model)
+
+    def forward(state, tokens, segments, positions):
+        return nnx.merge(graphdef, state)(tokens, segments, positions)[0]
+
+    tokens = jnp.zeros((batch, seq), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
+    return jax.jit(forward).lower(state, tokens, tokens + 1, positions)
+
+
+def test_xla_flops_match_the_budget_within_ten_percent():
+    model = Decoder(COST_CFG, rngs=nnx.Rngs(0))
+    model.unroll_layers = True  # XLA's cost analysis counts a while-loop body only once
+    batch, seq = 2, COST_CFG.seq_len
+    cost = _lowered_forward(model, batch, seq).compile().cost_analysis()
+    xla_flops = cost["flops"]
+    # The full [seq, seq] score matrix is computed and masked: attended keys = seq_len.
+    expected = batch * seq * budget.forward_flops_per_token(
+        COST_CFG, attended_keys=seq, include_unembedding=True)
+    assert abs(xla_flops / expected - 1) < 0.10, (xla_flops, expected)
+
+
+def _compile_seconds(cfg) -> float:
+    model = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
+    start = time.perf_counter()
+    _lowered_forward(model, 2, 16).compile()
+    return time.perf_counter() - start
+
+
+def test_compile_time_does_not_grow_with_depth():
+    shallow, deep = TINY, TINY.replace(n_layers=24)
+    times = {4: [], 24: []}
+    for _ in range(2):  # interleaved, best of two: the machine is shared
+        times[4].append(_compile_seconds(shallow))
+        times[24].append(_compile_seconds(deep))
+    assert min(times[24]) < 1.5 * min(times[4]), times
