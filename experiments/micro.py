@@ -33,10 +33,10 @@ PEAK_LR = {"xs": 3e-3, "s": 3e-3, "m": 2e-3, "l": 2e-3}
 GRID = SearchGrid(d_model_step=4, d_model_range=(0.5, 2.0), head_dim_step=4, head_dim_range=(8, 64),
                   kv_heads=(1, 2, 3, 4), experts_step=2, ffn_step=4)
 
-MICRO_SCHEDULE = dict(batch_size=16, seq_len=SEQ_LEN, stable_steps=480,
-                      fork_steps=(40, 80, 160, 240, 360, 480), decay_steps=60, warmup_steps=40)
-SMOKE_SCHEDULE = dict(batch_size=8, seq_len=SEQ_LEN, stable_steps=80, fork_steps=(40, 80),
-                      decay_steps=20, warmup_steps=10)
+MICRO_SCHEDULE = dict(batch_size=8, seq_len=SEQ_LEN, stable_steps=100,
+                      fork_steps=(8, 16, 32, 50, 75, 100), decay_steps=10, warmup_steps=8)
+SMOKE_SCHEDULE = dict(batch_size=8, seq_len=SEQ_LEN, stable_steps=40, fork_steps=(20, 40),
+                      decay_steps=10, warmup_steps=5)
 
 
 def baseline_config(scale: str, n_experts: int) -> ModelConfig:

@@ -87,7 +87,9 @@ def test_readiness_follows_committed_checkpoints(tmp_path):
     graph = build_graph(load_suite("smoke")[:1])
     run = graph.jobs[0].run
     stable, b0, b1 = graph.jobs
-    assert (b0.fork_step, b1.fork_step) == run.schedule.fork_steps == (40, 80)
+    first_fork, last_fork = run.schedule.fork_steps
+    assert (b0.fork_step, b1.fork_step) == (first_fork, last_fork) and first_fork < last_fork
+    assert last_fork == run.schedule.stable_steps
     ckpts = run_dir(graph.suite, run.id, tmp_path).checkpoints(None)
 
     def statuses():
@@ -95,11 +97,11 @@ def test_readiness_follows_committed_checkpoints(tmp_path):
         return s[stable.name], s[b0.name], s[b1.name]
 
     assert statuses() == (JobStatus.READY, JobStatus.PENDING, JobStatus.PENDING)
-    _commit(ckpts, 40, committed=False)  # an orbax temporary folder is not a checkpoint yet
+    _commit(ckpts, first_fork, committed=False)  # an orbax temporary folder is not a checkpoint yet
     assert statuses() == (JobStatus.READY, JobStatus.PENDING, JobStatus.PENDING)
-    _commit(ckpts, 40)
+    _commit(ckpts, first_fork)
     assert statuses() == (JobStatus.READY, JobStatus.READY, JobStatus.PENDING)
-    _commit(ckpts, 80)  # 80 = stable_steps: the stable job is done
+    _commit(ckpts, last_fork)  # the last fork = stable_steps: the stable job is done
     assert statuses() == (JobStatus.DONE, JobStatus.READY, JobStatus.READY)
 
 
