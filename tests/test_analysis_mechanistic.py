@@ -27,11 +27,11 @@ def test_routing_overlap_identical_visits_give_k_and_random_routing_gives_k2_ove
     same = random_topk(rng, (2, 16), 8, 16)
     independent = (random_topk(rng, (4, 5000), 8, 64), random_topk(rng, (4, 5000), 8, 64))
     captures = {
-        (3, 1): {"router_topk": same},
-        (3, 2): {"router_topk": same},
-        (4, 1): {"router_topk": independent[0]},
-        (4, 2): {"router_topk": independent[1]},
-        (0, 1): {"router_topk": same},  # outside the loop: visit 1 only, ignored
+        (3, 1): {"topk_ids": same},
+        (3, 2): {"topk_ids": same},
+        (4, 1): {"topk_ids": independent[0]},
+        (4, 2): {"topk_ids": independent[1]},
+        (0, 1): {"topk_ids": same},  # outside the loop: visit 1 only, ignored
     }
     table = mech.routing_overlap(captures, n_experts=64).set_index("layer")
     assert list(table.index) == [3, 4]
@@ -43,7 +43,7 @@ def test_routing_overlap_identical_visits_give_k_and_random_routing_gives_k2_ove
     with pytest.raises(ValueError, match="outside"):
         mech.routing_overlap(captures, n_experts=8)
     with pytest.raises(ValueError, match="looped"):
-        mech.routing_overlap({(0, 1): {"router_topk": same}}, n_experts=16)
+        mech.routing_overlap({(0, 1): {"topk_ids": same}}, n_experts=16)
 
 
 def test_residual_write_ratios_and_same_layer_vs_unrelated_cosines():

@@ -10,7 +10,7 @@ keyed by the *physical* layer index (0-based, as in ModelConfig) and the visit (
 2 for the second; layers outside the looped span, and every layer of a Baseline, have visit 1 only). Every
 array of one capture set covers the same held-out tokens in the same order. Array names and shapes:
 
-    router_topk    [batch, seq, k]            int    expert indices chosen by the router (top-k, distinct)
+    topk_ids       [batch, seq, k]            int    expert indices chosen by the router (top-k, distinct)
     dx_attn        [batch, seq, d]            float  the attention write to the residual stream (after 1/r)
     dx_moe         [batch, seq, d]            float  the MoE write (after 1/r)
     normed_input   [batch, seq, d]            float  RMSNorm(x), the attention's input
@@ -19,6 +19,9 @@ array of one capture set covers the same held-out tokens in the same order. Arra
     pv             [batch, seq, heads, hd]    float  attention-weighted values, before the output projection
     attn_out       [batch, seq, d]            float  the attention block's output (= dx_attn * r)
     attn_probs     [batch, heads, q, k]       float  softmax attention probabilities (masked entries 0)
+
+These are the names the model's `capture=True` arrays carry (one vocabulary); the model numbers visits
+from 0, and `smelt_jax.analysis.run_analysis.analysis_captures` converts to this layout.
 
 Any leading shape works where a function says "[..., x]": leading axes are flattened into tokens. Padding
 is the caller's to drop. The looped layers are those with both visits present.
@@ -90,14 +93,14 @@ def random_overlap_reference(k: int, n_experts: int) -> float:
 def routing_overlap(captures: Captures, n_experts: int) -> pd.DataFrame:
     """Per looped layer: mean |top-k(visit 1) ∩ top-k(visit 2)| over tokens, against the random k^2/n.
 
-    Reads `router_topk` [batch, seq, k]. Columns: layer, k, n_experts, n_tokens, mean_overlap,
+    Reads `topk_ids` [batch, seq, k]. Columns: layer, k, n_experts, n_tokens, mean_overlap,
     random_reference, overlap_fraction (= mean_overlap / k).
     """
     rows = []
     for layer in require_looped_layers(captures):
         first, second = (
-            capture_array(captures, layer, 1, "router_topk"),
-            capture_array(captures, layer, 2, "router_topk"),
+            capture_array(captures, layer, 1, "topk_ids"),
+            capture_array(captures, layer, 2, "topk_ids"),
         )
         if first.size and (
             first.min() < 0 or max(first.max(), second.max()) >= n_experts or second.min() < 0

@@ -70,12 +70,15 @@ class Attention(nnx.Module):
                         ("heads", "head_dim", "embed"))
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, segment_ids: jax.Array,
-                 *, cache: dict | None = None, return_probs: bool = False):
+                 *, cache: dict | None = None, capture: bool = False, return_probs: bool = False):
         """x [b, s, d] (compute dtype), cos/sin [b, s, hd/2], segment_ids [b, s].
 
         cache: None for a full forward (keys = this row), or {'k', 'v': [b, T, kv, hd],
         'segment_ids': [b, T] already holding this step's ids, 'index': int32 scalar slot of x[:, 0]}.
-        Returns (out [b, s, d], updated {'k', 'v'} or None, probs or None).
+        Returns (out [b, s, d], updated {'k', 'v'} or None, internals). internals is {} unless
+        `capture`: then 'q' [b, s, heads, hd] and 'k', 'v' [b, s, kv, hd] (this row's, after RoPE for
+        q and k), 'pv' [b, s, heads, hd] (probability-weighted values, before the output projection)
+        and, with `return_probs`, 'attn_probs' [b, heads, s, keys] float32.
         """
         cfg = self.cfg
         dtype = x.dtype
@@ -105,8 +108,11 @@ class Attention(nnx.Module):
         mask = segment_causal_mask(segment_ids, key_segments, query_slots, key_slots)
         q = q.reshape(b, s, cfg.n_kv_heads, group, cfg.head_dim)
         out, probs = dot_product_attention(q, keys, values, mask)
-        out = out.reshape(b, s, cfg.n_heads, cfg.head_dim)
-        out = jnp.einsum("bshe,hed->bsd", out, self.wo[...].astype(dtype))
-        if return_probs:
-            probs = probs.reshape(b, cfg.n_heads, s, keys.shape[1])
-        return out, new_cache, (probs if return_probs else None)
+        pv = out.reshape(b, s, cfg.n_heads, cfg.head_dim)
+        out = jnp.einsum("bshe,hed->bsd", pv, self.wo[...].astype(dtype))
+        internals = {}
+        if capture:  # a Python flag: without it the program has no extra outputs
+            internals = {"q": q.reshape(b, s, cfg.n_heads, cfg.head_dim), "k": k, "v": v, "pv": pv}
+            if return_probs:
+                internals["attn_probs"] = probs.reshape(b, cfg.n_heads, s, keys.shape[1])
+        return out, new_cache, internals

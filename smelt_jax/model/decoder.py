@@ -55,7 +55,7 @@ class Decoder(nnx.Module):
         'expert_load' {'counts' [L_exec, E], 'max_over_mean' [L_exec], 'dropped_fraction'
         [L_exec]} in `cfg.execution_order()`, and with capture=True 'captures'
         {(physical layer, visit): {'residual', 'dx_attn', 'dx_moe' [b, s, d], 'topk_ids'
-        [b, s, k], 'attn_probs' [b, heads, s, s] (rows up to CAPTURE_ATTENTION_MAX_KEYS)}}.
+        [b, s, k], 'attn_probs' [b, heads, s, s] (rows up to CAPTURE_ATTENTION_MAX_KEYS = 1024)}}.
         Segment id 0 marks padding: it attends only to padding and is left out of the router
         losses and load statistics.
         """

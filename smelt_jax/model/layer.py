@@ -16,8 +16,9 @@ from smelt_jax.model.moe import MoE
 from smelt_jax.model.norm import RMSNorm
 from smelt_jax.sharding import constrain
 
-# Attention probabilities are captured only for rows at most this long ([b, heads, s, keys] each).
-CAPTURE_ATTENTION_MAX_KEYS = 512
+# Attention probabilities are captured only for rows at most this long ([b, heads, s, keys] each;
+# 1024 fits a 4-shot Dyck prompt in bytes).
+CAPTURE_ATTENTION_MAX_KEYS = 1024
 
 REMAT_POLICIES = {
     "full": None,  # save nothing: recompute the layer in the backward pass
@@ -39,21 +40,25 @@ class Layer(nnx.Module):
         """x [b, s, d] -> (x', stats, updated cache {'k', 'v'} or None, captures or {}).
 
         context: 'cos', 'sin' [b, s, hd/2], 'segment_ids' [b, s], 'token_mask' [b, s] bool.
+        captures (only with `capture`): 'residual' (x), 'normed_input' (attn_norm(x)) [b, s, d];
+        'q' [b, s, heads, hd], 'k', 'v' [b, s, kv_heads, hd], 'pv' [b, s, heads, hd]; 'attn_out'
+        [b, s, d] (before the residual scale); 'dx_attn', 'dx_moe' [b, s, d] (after it);
+        'topk_ids' [b, s, k]; 'attn_probs' [b, heads, s, keys] when keys <= CAPTURE_ATTENTION_MAX_KEYS.
         """
         keys = x.shape[1] if cache is None else cache["k"].shape[1]
         want_probs = capture and keys <= CAPTURE_ATTENTION_MAX_KEYS
-        attn_out, new_cache, probs = self.attention(
-            self.attn_norm(x), context["cos"], context["sin"], context["segment_ids"],
-            cache=cache, return_probs=want_probs)
+        normed_input = self.attn_norm(x)
+        attn_out, new_cache, attention_internals = self.attention(
+            normed_input, context["cos"], context["sin"], context["segment_ids"],
+            cache=cache, capture=capture, return_probs=want_probs)
         dx_attn = attn_out * jnp.asarray(scale, x.dtype)
         moe_out, stats = self.moe(self.moe_norm(x + dx_attn), context["token_mask"])
         dx_moe = moe_out * jnp.asarray(scale, x.dtype)
         topk_ids = stats.pop("topk_ids")
         captures = {}
         if capture:
-            captures = {"residual": x, "dx_attn": dx_attn, "dx_moe": dx_moe, "topk_ids": topk_ids}
-            if want_probs:
-                captures["attn_probs"] = probs
+            captures = {"residual": x, "dx_attn": dx_attn, "dx_moe": dx_moe, "topk_ids": topk_ids,
+                        "normed_input": normed_input, "attn_out": attn_out, **attention_internals}
         x_out = constrain(x + dx_attn + dx_moe, ("batch", "seq", "act_embed"))
         return x_out, stats, new_cache, captures
 

@@ -1,0 +1,66 @@
+# %% [markdown]
+# # Training curves of a suite
+# Reads every run's `metrics.jsonl` under `<runs root>/<suite>/` (the stable phase and each decay branch)
+# and plots loss against tokens; evaluation lines (`{"step", "eval": {...}}`) give the validation losses.
+
+# %% parameters
+import os
+
+RUNS_DIR = os.environ.get("SMELT_RUNS_DIR", "runs")
+SUITE = os.environ.get("SMELT_SUITE", "smoke")
+
+# %%
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import pandas as pd
+
+from smelt_jax.results import read_results
+
+suite_dir = Path(RUNS_DIR) / SUITE
+train_rows, eval_rows = [], []
+for metrics_file in sorted(suite_dir.glob("*/*/metrics.jsonl")):
+    run_id, phase = metrics_file.parent.parent.name, metrics_file.parent.name
+    for line in metrics_file.read_text().splitlines():
+        if not line.strip():
+            continue
+        record = json.loads(line)
+        if "eval" in record:
+            eval_rows.append({"run_id": run_id, "phase": phase, "step": record["step"], **record["eval"]})
+        else:
+            train_rows.append({"run_id": run_id, "phase": phase, **record})
+curves = pd.DataFrame(train_rows)
+evals = pd.DataFrame(eval_rows)
+print(f"{suite_dir}: {curves['run_id'].nunique() if not curves.empty else 0} runs, "
+      f"{len(curves)} metric lines, {len(evals)} evaluations")
+
+# %%
+if curves.empty:
+    print("no metrics yet: train a run (smelt train RUN_ID) or point SMELT_RUNS_DIR / SMELT_SUITE elsewhere")
+else:
+    figure, axis = plt.subplots(figsize=(7, 4))
+    for (run_id, phase), group in curves.groupby(["run_id", "phase"], sort=True):
+        axis.plot(group["tokens"], group["loss"], label=f"{run_id.split('-')[-2]} {phase}", lw=1)
+    axis.set_xlabel("tokens")
+    axis.set_ylabel("training loss")
+    axis.set_xscale("log")
+    axis.legend(fontsize=6)
+    figure.tight_layout()
+
+# %%
+if not curves.empty:
+    last = curves.sort_values("step").groupby(["run_id", "phase"]).tail(1)
+    columns = [c for c in ("run_id", "phase", "step", "tokens", "loss", "ce", "mfu", "tokens_per_s")
+               if c in last]
+    print(last[columns].to_string(index=False))
+
+# %% [markdown]
+# ## Endpoints (the suite's results table)
+
+# %%
+results = read_results(suite_dir)
+results if not results.empty else print("no endpoints yet")

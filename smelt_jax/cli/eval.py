@@ -1,0 +1,85 @@
+"""`smelt eval RUN_ID_OR_CHECKPOINT [--branch K] [--tasks FILE ...] [--dyck-shots 0,1,4,32] [--json]`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from smelt_jax.cli import CliError
+
+
+def parse_shots(text: str) -> tuple[int, ...]:
+    """'0,1,4,32' -> (0, 1, 4, 32); '' or 'none' -> () (skip Dyck)."""
+    if text.strip().lower() in ("", "none"):
+        return ()
+    try:
+        shots = tuple(int(part) for part in text.split(","))
+    except ValueError as err:
+        raise CliError(f"--dyck-shots must be comma-separated integers, got {text!r}") from err
+    from smelt_jax.analysis.dyck import MAX_SHOTS
+    if any(not 0 <= k <= MAX_SHOTS for k in shots):
+        raise CliError(f"--dyck-shots must lie in [0, {MAX_SHOTS}], got {text!r}")
+    return shots
+
+
+def load_corpus(folder: str | None):
+    """The corpus at `folder`, else the default one (built on first use, as the trainer does)."""
+    from smelt_jax.data.corpus import Corpus, build_corpus
+    if folder is not None:
+        return Corpus(Path(folder))
+    return Corpus(build_corpus(progress=False).folder)
+
+
+def _print_tables(label: str, report: dict) -> None:
+    validation = report["validation"]
+    print(f"# {label}")
+    if validation is not None:
+        print(f"validation loss {validation['overall']:.4f} nats/token over {validation['n_tokens']} tokens")
+        print(validation["by_source"].to_string(index=False))
+        print(validation["by_length"].to_string(index=False))
+    if report["dyck"] is not None:
+        print("Dyck (exact match, continuation cross-entropy):")
+        print(report["dyck"].to_string(index=False))
+    if report["tasks"] is not None:
+        print(report["tasks"].to_string(index=False))
+        print(f"DCLM Core (mean centered accuracy): {report['dclm_core']:.4f}")
+
+
+def cmd_eval(args) -> int:
+    from smelt_jax.analysis.evaluate import evaluate_model, load_model, report_to_json
+    shots = parse_shots(args.dyck_shots)
+    root = Path(args.runs_dir) if args.runs_dir else None
+    loaded = load_model(args.target, args.branch, root=root)
+    corpus = None if args.no_validation else load_corpus(args.corpus)
+    seq_len = int(loaded.run["schedule"]["seq_len"])
+    report = evaluate_model(loaded.model, corpus, seq_len=seq_len, eval_tokens=args.eval_tokens,
+                            task_paths=args.tasks or (), dyck_shots=shots, dyck_examples=args.dyck_examples,
+                            max_len=args.max_len, batch_size=args.batch_size)
+    if args.json:
+        payload = {"run_id": loaded.run.get("id"), "branch": loaded.branch, "step": loaded.step,
+                   **report_to_json(report)}
+        print(json.dumps(payload, default=lambda v: v.item() if hasattr(v, "item") else str(v)))
+    else:
+        _print_tables(loaded.label, report)
+    return 0
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "eval", help="validation loss (per source, per document length), Dyck k-shot, task files",
+        description="Evaluates a trained checkpoint: the stable run's newest checkpoint, or decay branch "
+                    "K's (--branch). TARGET is a run id, a run folder, or a checkpoint folder.")
+    p.add_argument("target", metavar="RUN_ID_OR_CHECKPOINT")
+    p.add_argument("--branch", type=int, help="decay branch K (default: the stable run)")
+    p.add_argument("--tasks", nargs="+", metavar="FILE",
+                   help="task files (.jsonl, LM or multiple choice) or registries (.yaml/.json)")
+    p.add_argument("--dyck-shots", default="0,1,4,32", help="comma-separated shot counts; 'none' skips")
+    p.add_argument("--dyck-examples", type=int, default=64, help="Dyck queries per shot count")
+    p.add_argument("--eval-tokens", type=int, default=16_384, help="validation tokens per source")
+    p.add_argument("--no-validation", action="store_true", help="skip the validation loss")
+    p.add_argument("--corpus", help="corpus folder (default: the built-in corpus)")
+    p.add_argument("--runs-dir", help="runs root (default $SMELT_RUNS_DIR or runs/)")
+    p.add_argument("--max-len", type=int, default=4096, help="longest scored text in tokens (left-truncated)")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--json", action="store_true", help="one JSON object instead of tables")
+    p.set_defaults(handler=cmd_eval)
