@@ -37,17 +37,31 @@ def apply_overrides(run: RunSpec, overrides: list[str]) -> RunSpec:
 
 
 def cmd_train(args) -> int:
+    from smelt_jax.parallel import distributed
+
+    # Before anything touches a device: join the multi-host job (a no-op on one machine).
+    distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     import experiments
-    from smelt_jax.train.trainer import (NONFINITE_EXIT_CODE, PREEMPTED_EXIT_CODE, NonFiniteLoss,
-                                         Preempted, TrainOptions, train)
+    from smelt_jax.parallel.layout import parse_layout
+    from smelt_jax.train.trainer import (
+        NONFINITE_EXIT_CODE,
+        PREEMPTED_EXIT_CODE,
+        NonFiniteLoss,
+        Preempted,
+        TrainOptions,
+        train,
+    )
     run = apply_overrides(experiments.find_run(args.id), args.override or [])
+    parallelism = parse_layout(args.layout, run.parallelism) if args.layout else run.parallelism
+    if args.remat:
+        parallelism = dataclasses.replace(parallelism, remat=args.remat)
     if args.branch is not None and not 0 <= args.branch < len(run.schedule.fork_steps):
         raise ValueError(f"--branch {args.branch}: {run.id} has branches 0..{len(run.schedule.fork_steps) - 1}")
     options = TrainOptions(log_every=args.log_every, checkpoint_every=args.checkpoint_every,
                            eval_every=args.eval_every, stop_after=args.stop_after,
                            progress=not args.no_progress)
     try:
-        summary = train(run, args.branch, options=options)
+        summary = train(run, args.branch, options=options, parallelism=parallelism)
     except Preempted as err:
         print(f"smelt: {err}", file=sys.stderr)
         return PREEMPTED_EXIT_CODE
@@ -72,4 +86,9 @@ def register(subparsers) -> None:
     p.add_argument("--eval-every", type=int, default=0, help="0: at the end of the phase only")
     p.add_argument("--stop-after", type=int, help="save and exit 42 after this many steps")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--layout", help="mesh sizes, e.g. data=-1,fsdp=8,expert=4 (default: the run's)")
+    p.add_argument("--remat", choices=("none", "full", "dots", "dots_no_batch"))
+    p.add_argument("--coordinator", help="host:port of process 0 (multi-host without auto-detection)")
+    p.add_argument("--num-processes", type=int)
+    p.add_argument("--process-id", type=int)
     p.set_defaults(handler=cmd_train)

@@ -19,17 +19,18 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from smelt_jax import budget as budget_lib
-from smelt_jax.descriptors import RunSpec
+from smelt_jax import sharding
+from smelt_jax.descriptors import Parallelism, RunSpec
 from smelt_jax.rundir import RunDir, results_dir, run_dir
 from smelt_jax.train import lr as lr_lib
-from smelt_jax.train.step import init_params, make_eval_step, make_train_step, optimizer
+from smelt_jax.train.step import optimizer
 
 PREEMPTED_EXIT_CODE = 42
 NONFINITE_EXIT_CODE = 3
@@ -107,7 +108,7 @@ class _StopFlag:
         self.signal: int | None = None
         self._previous = {}
 
-    def __enter__(self) -> "_StopFlag":
+    def __enter__(self) -> Self:
         for sig in (signal.SIGTERM, signal.SIGINT):
             try:
                 self._previous[sig] = signal.signal(sig, self._handle)
@@ -123,15 +124,20 @@ class _StopFlag:
             signal.signal(sig, handler)
 
 
-def evaluate(eval_step, params, corpus, seq_len: int, options: TrainOptions) -> dict[str, float]:
-    """Validation loss per source and overall (token-weighted), nats per token."""
+def evaluate(eval_step, params, corpus, seq_len: int, options: TrainOptions,
+             place=lambda batch: batch, host: dict | None = None) -> dict[str, float]:
+    """Validation loss per source and overall (token-weighted), nats per token.
+
+    `host` ({'host_index', 'host_count'}) picks this process's rows of each validation batch and
+    `place` turns them into the step's input (a global array on the trainer's mesh)."""
     from smelt_jax.data.pipeline import validation_sets
     totals = {}
     for source, batches in validation_sets(corpus, batch_size=options.eval_batch_size,
-                                           seq_len=seq_len, max_tokens=options.eval_tokens).items():
+                                           seq_len=seq_len, max_tokens=options.eval_tokens,
+                                           **(host or {})).items():
         loss_sum, count = 0.0, 0.0
         for batch in batches:
-            s, c = eval_step(params, batch)
+            s, c = eval_step(params, place(batch))
             loss_sum, count = loss_sum + float(s), count + float(c)
         totals[source] = (loss_sum, count)
     out = {source: s / max(c, 1.0) for source, (s, c) in totals.items()}
@@ -140,10 +146,27 @@ def evaluate(eval_step, params, corpus, seq_len: int, options: TrainOptions) -> 
     return out
 
 
+def _replicated_scalar(mesh, value) -> jax.Array:
+    """A float32 scalar on every device of `mesh` (valid input in multi-process programs too)."""
+    host = np.asarray(value, np.float32)
+    return jax.make_array_from_callback((), sharding.replicated(mesh), lambda _index: host)
+
+
 def train(run: RunSpec, branch: int | None = None, *, root: Path | None = None, corpus=None,
-          options: TrainOptions = TrainOptions()) -> dict[str, Any]:
-    """Train one phase to its end (or until stopped). Returns a summary dict."""
+          options: TrainOptions = TrainOptions(), parallelism: Parallelism | None = None
+          ) -> dict[str, Any]:
+    """Train one phase to its end (or until stopped). Returns a summary dict.
+
+    The mesh comes from `parallelism` (default: the run's own `run.parallelism`) over every device of
+    every process; one device is a 1x1x1x1 mesh. Parameters and optimizer state are created (or
+    restored) directly with their shardings; each process feeds its own rows of the global batch.
+    """
+    from smelt_jax.parallel import train_state as ts
+
     schedule, cfg = run.schedule, run.model
+    parallelism = parallelism if parallelism is not None else run.parallelism
+    if parallelism.remat != "none":
+        cfg = cfg.replace(remat=parallelism.remat)
     first, end = lr_lib.phase_steps(schedule, branch)
     rd = run_dir(run.suite, run.id, root)
     is_writer = jax.process_index() == 0
@@ -154,9 +177,13 @@ def train(run: RunSpec, branch: int | None = None, *, root: Path | None = None, 
     from smelt_jax.data.pipeline import TrainPipeline
     from smelt_jax.train.checkpoint import Checkpointer
 
-    graphdef, params = init_params(cfg, schedule.seed)
+    mesh = sharding.make_mesh(parallelism)
     tx = optimizer(schedule)
-    state = {"params": params, "opt_state": tx.init(params)}
+    plan = ts.plan_training(cfg, tx, mesh)
+    abstract_params, abstract_opt_state = plan.abstract_state()
+    # Restore targets carry the current mesh's shardings: a checkpoint written on another mesh or
+    # host count comes back placed for this one.
+    state = {"params": abstract_params, "opt_state": abstract_opt_state}
     keep = set(schedule.fork_steps) | {end} if branch is None else {end}
     ckpt = Checkpointer(rd.checkpoints(branch), max_to_keep=options.max_to_keep,
                         keep_forever=keep)
@@ -176,10 +203,22 @@ def train(run: RunSpec, branch: int | None = None, *, root: Path | None = None, 
     if step >= end and (branch is None or rd.endpoint(branch).exists()):
         ckpt.close()
         return {"run_id": run.id, "branch": branch, "step": step, "status": "done"}
+    if any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(state)):
+        state = dict(zip(("params", "opt_state"), ts.init_state(plan, tx, schedule.seed)))
 
-    train_step = jax.jit(make_train_step(graphdef, cfg, tx), donate_argnums=(0, 1))
-    eval_step = jax.jit(make_eval_step(graphdef, cfg))
-    pipeline = TrainPipeline.from_schedule(corpus, schedule)
+    train_step = ts.jit_train_step(plan, tx, schedule.batch_size, schedule.seq_len)
+    eval_step = ts.jit_eval_step(plan, options.eval_batch_size, schedule.seq_len)
+    # Which rows of a global batch this process feeds depends on the mesh, not on a fixed host split.
+    eval_host = ts.host_split(plan, options.eval_batch_size, schedule.seq_len)
+
+    def place_eval(batch):
+        return ts.global_batch(plan, batch, options.eval_batch_size)
+
+    def evaluate_here():
+        return evaluate(eval_step, params, corpus, schedule.seq_len, options, place_eval, eval_host)
+
+    pipeline = TrainPipeline.from_schedule(
+        corpus, schedule, **ts.host_split(plan, schedule.batch_size, schedule.seq_len))
     flops_per_token = budget_lib.train_flops_per_token(cfg)
     peak, peak_source = options.peak_flops, "given"
     if peak is None:
@@ -189,7 +228,7 @@ def train(run: RunSpec, branch: int | None = None, *, root: Path | None = None, 
     metrics_file.parent.mkdir(parents=True, exist_ok=True)
 
     params, opt_state = state["params"], state["opt_state"]
-    start_step, bad = step, jnp.zeros((), bool)
+    start_step, bad = step, _replicated_scalar(mesh, 0.0) > 0
     last_good_step = step
     window_start, window_tokens = time.perf_counter(), 0
 
@@ -213,10 +252,12 @@ def train(run: RunSpec, branch: int | None = None, *, root: Path | None = None, 
                         file=sys.stderr, dynamic_ncols=True)
     iterator = pipeline.iterator(step, end - step)
     logged = None
-    with _StopFlag() as stop, metrics_file.open("a") as log:
+    # Only process 0 writes metrics; the others log into the void.
+    log_context = metrics_file.open("a") if is_writer else open(os.devnull, "w")
+    with _StopFlag() as stop, log_context as log, jax.set_mesh(mesh):
         for step in range(step, end):
-            batch = next(iterator)
-            lr = jnp.float32(lr_lib.learning_rate(schedule, step, branch))
+            batch = ts.global_batch(plan, next(iterator), schedule.batch_size)
+            lr = _replicated_scalar(mesh, lr_lib.learning_rate(schedule, step, branch))
             params, opt_state, metrics = train_step(params, opt_state, batch, lr)
             bad = bad | ~jnp.isfinite(metrics["loss"])
             done = step + 1
@@ -242,7 +283,7 @@ def train(run: RunSpec, branch: int | None = None, *, root: Path | None = None, 
                 window_start, window_tokens = time.perf_counter(), 0
                 last_good_step = done
             if options.eval_every and done % options.eval_every == 0 and done != end:
-                losses = evaluate(eval_step, params, corpus, schedule.seq_len, options)
+                losses = evaluate_here()
                 if is_writer:
                     log.write(json.dumps({"step": done, "eval": losses}) + "\n")
                     log.flush()
@@ -262,7 +303,8 @@ def train(run: RunSpec, branch: int | None = None, *, root: Path | None = None, 
     summary = {"run_id": run.id, "branch": branch, "step": end, "status": "done"}
     # Endpoints are the decay branches; the stable phase is evaluated only when asked (eval_every).
     if branch is not None:
-        losses = evaluate(eval_step, params, corpus, schedule.seq_len, options)
+        with jax.set_mesh(mesh):
+            losses = evaluate_here()
         summary.update(val_loss=losses["overall"], losses=losses)
         if is_writer:
             with metrics_file.open("a") as log:
@@ -292,9 +334,10 @@ def write_endpoint(run: RunSpec, branch: int, losses: dict[str, float], *, root:
 
 
 def _metadata() -> dict[str, Any]:
-    from smelt_jax.results import git_commit
     import flax
     import optax
+
+    from smelt_jax.results import git_commit
     return {"git_commit": git_commit(), "jax": jax.__version__, "flax": flax.__version__,
             "optax": optax.__version__, "devices": jax.device_count(),
             "device_kind": jax.devices()[0].device_kind, "processes": jax.process_count(),

@@ -1,0 +1,144 @@
+"""Expert parallelism: experts sharded over the mesh's `expert` axis, token copies exchanged with
+`all_to_all` inside `jax.shard_map`.
+
+`expert_parallel_moe` computes exactly `smelt_jax.model.moe.MoE.__call__` (same weights, same routing,
+same capacity drops, same combine) with a different data movement:
+
+1. Route every token (GSPMD, outside the shard_map): top-k expert ids and weights, and, with a
+   capacity factor, which copies the unsharded layer would keep (its global, token-ordered rank).
+2. Inside the shard_map each device holds T_l tokens (tokens split over data x fsdp x expert) and
+   E_l = E / n experts (n = size of `expert`). It writes each kept copy into a send buffer
+   [n, C, d] at (destination device = expert // E_l, next free slot), C = T_l * min(k, E_l): a token
+   picks distinct experts, so at most min(k, E_l) of its copies go to one device. Dropless.
+3. `all_to_all` over `expert` swaps the buffers; the receiver sorts its n*C rows by local expert and
+   calls `smelt_jax.kernels.expert_ffn` on its E_l experts (empty slots are padding rows).
+4. Unsort, `all_to_all` back, gather each copy's output from (destination, slot), combine with the
+   router weights (outside the shard_map, as the unsharded layer does).
+
+Capacity-padded buffers run everywhere (CPU included). `jax.lax.ragged_all_to_all` would send only
+the filled rows, but XLA:CPU does not implement it, so this module does not use it (see
+docs/parallelism.md). Gradients flow through both all_to_alls (each is the other's transpose).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from smelt_jax import sharding
+from smelt_jax.config import ModelConfig
+from smelt_jax.kernels import expert_ffn, resolve_impl
+from smelt_jax.model.moe import dispatch_order, expert_capacity
+from smelt_jax.model.router import expert_load_stats, route
+
+EXPERT_AXIS = "expert"
+
+
+def token_axes(mesh) -> tuple[str, ...]:
+    """Mesh axes that split the tokens inside the expert layer: the 'batch' rule's axes, then
+    `expert` (tokens must be split over the expert axis too, or its devices would repeat work)."""
+    rule = dict(sharding.LOGICAL_AXIS_RULES)["batch"]
+    axes = (rule,) if isinstance(rule, str) else tuple(rule or ())
+    return tuple(a for a in axes + (EXPERT_AXIS,) if mesh.shape[a] > 1) if mesh is not None else ()
+
+
+def kept_copies(expert_ids: jax.Array, n_experts: int, capacity: int | None) -> jax.Array:
+    """[T, k] bool: the copies the unsharded layer keeps (all when dropless)."""
+    if capacity is None:
+        return jnp.ones(expert_ids.shape, bool)
+    order, group_sizes, _ = dispatch_order(expert_ids, n_experts, capacity)
+    position = jnp.argsort(order)  # where each copy lands in the sorted layout
+    return (position < jnp.sum(group_sizes)).reshape(expert_ids.shape)
+
+
+def _exchange_and_compute(x_local, ids_local, kept_local, w_gate, w_up, w_down, *, top_k: int,
+                          impl: str):
+    """Per device: x_local [T_l, d], ids_local / kept_local [T_l, k], weights [E_l, ...] ->
+    outputs of this device's token copies [T_l, k, d] (0 for dropped copies)."""
+    n = jax.lax.axis_size(EXPERT_AXIS)
+    t_local, d = x_local.shape
+    experts_local = w_gate.shape[0]
+    slots = t_local * min(top_k, experts_local)
+    ids = ids_local.reshape(-1)
+    dest = jnp.where(kept_local.reshape(-1), ids // experts_local, n)  # n: not sent
+    local_expert = (ids % experts_local).astype(jnp.int32)
+    onehot = (dest[:, None] == jnp.arange(n)[None, :]).astype(jnp.int32)  # [T_l*k, n]
+    slot = jnp.take_along_axis(jnp.cumsum(onehot, axis=0) - 1, jnp.minimum(dest, n - 1)[:, None],
+                               axis=1)[:, 0]
+    rows = jnp.repeat(x_local, top_k, axis=0)  # copy j of token t is row t*k + j
+    send_x = jnp.zeros((n, slots, d), x_local.dtype).at[dest, slot].set(rows, mode="drop")
+    send_e = jnp.full((n, slots), experts_local, jnp.int32).at[dest, slot].set(local_expert,
+                                                                                mode="drop")
+    recv_x = jax.lax.all_to_all(send_x, EXPERT_AXIS, 0, 0)  # [n sources, slots, d]
+    recv_e = jax.lax.all_to_all(send_e, EXPERT_AXIS, 0, 0)
+    flat_e = recv_e.reshape(-1)
+    order = jnp.argsort(flat_e, stable=True)  # empty slots (id E_l) sort last: padding rows
+    group_sizes = jnp.bincount(flat_e, length=experts_local).astype(jnp.int32)
+    x_sorted = jnp.take(recv_x.reshape(n * slots, d), order, axis=0)
+    # One token sends at most one copy to an expert: an expert receives at most n * T_l rows.
+    y_sorted = expert_ffn(x_sorted, w_gate, w_up, w_down, group_sizes, impl=impl,
+                          capacity=n * t_local)
+    y_recv = jnp.take(y_sorted, jnp.argsort(order), axis=0).reshape(n, slots, d)
+    y_back = jax.lax.all_to_all(y_recv, EXPERT_AXIS, 0, 0)  # [n destinations, slots, d]
+    y_copies = y_back.at[dest, slot].get(mode="fill", fill_value=0)
+    return y_copies.reshape(t_local, top_k, d)
+
+
+def expert_parallel_moe(x: jax.Array, token_mask: jax.Array, router_weight: jax.Array,
+                        w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, cfg: ModelConfig,
+                        *, mesh: jax.sharding.Mesh | None = None, impl: str | None = None):
+    """The MoE layer with experts sharded over `expert`; same contract as `MoE.__call__`.
+
+    x [b, s, d] (compute dtype), token_mask [b, s] bool, router_weight [d, E],
+    w_gate / w_up [E, d, f], w_down [E, f, d]. `mesh` defaults to the one set by `jax.set_mesh`;
+    E must divide by the size of its `expert` axis. Returns (y [b, s, d], stats) like the
+    unsharded layer.
+    """
+    mesh = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty:
+        raise ValueError("expert_parallel_moe needs a mesh (pass mesh= or call inside jax.set_mesh)")
+    n_ep = mesh.shape[EXPERT_AXIS]
+    if cfg.n_experts % n_ep:
+        raise ValueError(f"{cfg.n_experts} experts do not split over expert axis of size {n_ep}")
+    b, s, d = x.shape
+    total = b * s
+    tokens = x.reshape(total, d)
+    mask = token_mask.reshape(-1)
+    logits = jnp.einsum("td,de->te", tokens.astype(jnp.float32), router_weight.astype(jnp.float32))
+    routing = route(logits, cfg.top_k, mask)
+    capacity = expert_capacity(cfg, total)
+    kept = kept_copies(routing.expert_ids, cfg.n_experts, capacity)
+
+    axes = token_axes(mesh)
+    shards = 1
+    for axis in axes:
+        shards *= mesh.shape[axis]
+    pad = -total % shards  # odd token counts: padding tokens send nothing and are cut off after
+    tokens_p = jnp.pad(tokens, ((0, pad), (0, 0)))
+    ids_p = jnp.pad(routing.expert_ids, ((0, pad), (0, 0)))
+    kept_p = jnp.pad(kept, ((0, pad), (0, 0)))
+    compute = tokens.dtype
+    weights = [w.astype(compute) for w in (w_gate, w_up, w_down)]
+    token_spec = P(axes if axes else None)
+    expert_spec = P(EXPERT_AXIS)
+    body = jax.shard_map(
+        lambda *a: _exchange_and_compute(*a, top_k=cfg.top_k,
+                                         impl=resolve_impl(impl or cfg.expert_impl)),
+        mesh=mesh, in_specs=(token_spec, token_spec, token_spec, expert_spec, expert_spec,
+                             expert_spec),
+        out_specs=token_spec)
+    y_copies = body(tokens_p, ids_p, kept_p, *weights)[:total]
+    y = jnp.einsum("tkd,tk->td", y_copies.astype(jnp.float32), routing.weights)
+
+    counts = jnp.bincount(routing.expert_ids.reshape(-1), length=cfg.n_experts).astype(jnp.int32)
+    group_sizes = counts if capacity is None else jnp.minimum(counts, capacity)
+    real_counts = jnp.bincount(routing.expert_ids.reshape(-1), length=cfg.n_experts,
+                               weights=jnp.repeat(mask, cfg.top_k).astype(jnp.float32))
+    stats = {
+        "load_balance_loss": routing.load_balance_loss,
+        "router_z_loss": routing.z_loss,
+        **expert_load_stats(real_counts, jnp.sum(counts), jnp.sum(group_sizes)),
+        "topk_ids": routing.expert_ids.reshape(b, s, cfg.top_k),
+    }
+    return y.astype(x.dtype).reshape(b, s, d), stats

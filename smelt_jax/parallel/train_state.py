@@ -1,0 +1,162 @@
+"""The train state on a mesh: shardings for parameters, optimizer state and batches, a sharded
+init, and the train step jitted with those shardings and with donation.
+
+    plan = plan_training(cfg, tx, mesh)
+    params, opt_state = init_state(plan, seed)            # created already sharded, never whole
+    step = jit_train_step(plan, tx)
+    batch = global_batch(plan, local_rows)                # this process's rows -> one global batch
+    with jax.set_mesh(mesh):
+        params, opt_state, metrics = step(params, opt_state, batch, lr)
+
+Parameters carry logical axis names (`smelt_jax.sharding.param`); `smelt_jax.sharding` resolves them
+to mesh axes. Optimizer moments are placed like their parameters, step counts replicated; batches
+split their rows over ('data', 'fsdp').
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from smelt_jax import sharding
+from smelt_jax.config import ModelConfig
+from smelt_jax.train.step import make_eval_step, make_train_step
+
+BATCH_KEYS = {"tokens": jnp.int32, "targets": jnp.int32, "segment_ids": jnp.int32,
+              "positions": jnp.int32, "loss_mask": jnp.float32}
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainPlan:
+    """Everything static about the sharded train state: shapes, dtypes and shardings (no arrays)."""
+
+    cfg: ModelConfig
+    mesh: jax.sharding.Mesh
+    graphdef: Any
+    abstract_params: Any  # nnx.State of ShapeDtypeStruct (no shardings)
+    abstract_opt_state: Any
+    params_shardings: Any  # same structure, NamedSharding leaves
+    opt_shardings: Any
+
+    def batch_shardings(self, batch_size: int, seq_len: int) -> dict[str, jax.sharding.NamedSharding]:
+        shape = (batch_size, seq_len)
+        return {key: sharding.batch_sharding(self.mesh, shape) for key in BATCH_KEYS}
+
+    def abstract_batch(self, batch_size: int, seq_len: int) -> dict[str, jax.ShapeDtypeStruct]:
+        shardings = self.batch_shardings(batch_size, seq_len)
+        return {key: jax.ShapeDtypeStruct((batch_size, seq_len), dtype, sharding=shardings[key])
+                for key, dtype in BATCH_KEYS.items()}
+
+    def abstract_state(self) -> tuple[Any, Any]:
+        """(params, opt_state) as ShapeDtypeStructs carrying their target shardings (restore targets,
+        AOT arguments). Built by hand: `nnx.eval_shape` drops shardings (flax issue 5110)."""
+        def with_sharding(leaf, target):
+            return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=target)
+        return (jax.tree.map(with_sharding, self.abstract_params, self.params_shardings),
+                jax.tree.map(with_sharding, self.abstract_opt_state, self.opt_shardings))
+
+
+def _build_params(cfg: ModelConfig, seed: int):
+    from smelt_jax.model import Decoder
+    return nnx.split(Decoder(cfg, rngs=nnx.Rngs(seed)))
+
+
+def plan_training(cfg: ModelConfig, tx: optax.GradientTransformation, mesh: jax.sharding.Mesh
+                  ) -> TrainPlan:
+    """Shapes and shardings of params and optimizer state for `cfg` on `mesh` (nothing allocated)."""
+    graphdef, abstract_params = nnx.split(nnx.eval_shape(lambda: _model(cfg)))
+    abstract_opt_state = jax.eval_shape(tx.init, abstract_params)
+    params_shardings = sharding.param_shardings(abstract_params, mesh)
+    opt_shardings = sharding.opt_state_shardings(tx, abstract_opt_state, params_shardings, mesh)
+    return TrainPlan(cfg, mesh, graphdef, abstract_params, abstract_opt_state, params_shardings,
+                     opt_shardings)
+
+
+def _model(cfg: ModelConfig):
+    from smelt_jax.model import Decoder
+    return Decoder(cfg, rngs=nnx.Rngs(0))
+
+
+def init_state(plan: TrainPlan, tx: optax.GradientTransformation, seed: int) -> tuple[Any, Any]:
+    """(params, opt_state) initialised inside one jit whose outputs are already sharded: no device
+    ever holds the whole model. Values equal `smelt_jax.train.step.init_params(cfg, seed)`."""
+    def init():
+        _, params = _build_params(plan.cfg, seed)
+        return params, tx.init(params)
+    with jax.set_mesh(plan.mesh):
+        return jax.jit(init, out_shardings=(plan.params_shardings, plan.opt_shardings))()
+
+
+def jit_train_step(plan: TrainPlan, tx: optax.GradientTransformation, batch_size: int,
+                   seq_len: int, *, donate: bool = True):
+    """train_step(params, opt_state, batch, lr) -> (params, opt_state, metrics), jitted with input and
+    output shardings (metrics replicated). Call it inside `jax.set_mesh(plan.mesh)`: the model's
+    activation constraints apply only while a mesh is set."""
+    step = make_train_step(plan.graphdef, plan.cfg, tx)
+    replicated = sharding.replicated(plan.mesh)
+    return jax.jit(step,
+                   in_shardings=(plan.params_shardings, plan.opt_shardings,
+                                 plan.batch_shardings(batch_size, seq_len), replicated),
+                   out_shardings=(plan.params_shardings, plan.opt_shardings, replicated),
+                   donate_argnums=(0, 1) if donate else ())
+
+
+def jit_eval_step(plan: TrainPlan, batch_size: int, seq_len: int):
+    """eval_step(params, batch) -> (loss sum, token count), replicated outputs."""
+    replicated = sharding.replicated(plan.mesh)
+    return jax.jit(make_eval_step(plan.graphdef, plan.cfg),
+                   in_shardings=(plan.params_shardings, plan.batch_shardings(batch_size, seq_len)),
+                   out_shardings=replicated)
+
+
+def process_row_range(plan: TrainPlan, batch_size: int, seq_len: int) -> tuple[int, int]:
+    """[first, last) rows of the global batch that this process's devices hold.
+
+    Usually rows p*B/P .. (p+1)*B/P of process p; a layout that replicates the batch across
+    processes gives each process more (or all) rows. Raises if a process's rows are not contiguous.
+    """
+    batch_sh = sharding.batch_sharding(plan.mesh, (batch_size, seq_len))
+    starts, stops = [], []
+    for index in batch_sh.addressable_devices_indices_map((batch_size, seq_len)).values():
+        rows = index[0]
+        starts.append(rows.start or 0)
+        stops.append(batch_size if rows.stop is None else rows.stop)
+    first, last = min(starts), max(stops)
+    covered = np.zeros(batch_size, bool)
+    for start, stop in zip(starts, stops):
+        covered[start:stop] = True
+    if not covered[first:last].all():
+        raise ValueError(f"process {jax.process_index()} holds non-contiguous batch rows on mesh "
+                         f"{dict(plan.mesh.shape)}; order the mesh so each process's rows are contiguous")
+    return first, last
+
+
+def host_split(plan: TrainPlan, batch_size: int, seq_len: int) -> dict[str, int]:
+    """{'host_index', 'host_count'} for the data pipeline: this process's rows as an even split.
+
+    With the batch axes outermost in the mesh this is (process_index, process_count); a layout that
+    replicates the batch over processes gives (0, 1) (every process reads every row)."""
+    first, last = process_row_range(plan, batch_size, seq_len)
+    width = last - first
+    if batch_size % width or first % width:
+        raise ValueError(f"process {jax.process_index()} holds rows [{first}, {last}) of {batch_size}: "
+                         "not an even split")
+    return {"host_index": first // width, "host_count": batch_size // width}
+
+
+def global_batch(plan: TrainPlan, local: dict[str, np.ndarray], batch_size: int
+                 ) -> dict[str, jax.Array]:
+    """One global batch [batch_size, seq] from this process's rows (`process_row_range`)."""
+    out = {}
+    for key, dtype in BATCH_KEYS.items():
+        rows = np.asarray(local[key], dtype=dtype)
+        shape = (batch_size,) + rows.shape[1:]
+        out[key] = jax.make_array_from_process_local_data(
+            sharding.batch_sharding(plan.mesh, shape), rows, shape)
+    return out

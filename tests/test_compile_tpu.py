@@ -1,0 +1,48 @@
+"""TPU slice names, collective counting, and one real ahead-of-time compile of a micro run's train
+step for a TPU topology (skips, saying why, only when libtpu cannot be loaded)."""
+
+import pytest
+
+from smelt_jax import aot
+from smelt_jax.descriptors import Parallelism
+from smelt_jax.parallel import compile_report as cr
+
+
+def test_slice_names_map_to_chips_and_topologies():
+    v5p = cr.parse_slice("v5p-128")
+    assert (v5p.chips, v5p.topology, v5p.hbm_bytes) == (64, "v5p:4x4x4", 95 * 2**30)
+    assert cr.parse_slice("v5e-256").topology == "v5e:16x16"
+    assert cr.parse_slice("v5litepod-4").topology == "v5e:2x2"
+    with pytest.raises(ValueError, match="want e.g."):
+        cr.parse_slice("v5p128")
+    with pytest.raises(ValueError, match="not a known"):
+        cr.parse_slice("v5p-6")
+
+
+def test_collectives_are_counted_by_kind():
+    hlo = """
+  %ar = f32[8]{0} all-reduce(f32[8]{0} %x), replica_groups={}
+  %ags = (f32[4], f32[8]) all-gather-start(f32[4] %y), dimensions={0}
+  %agd = f32[8] all-gather-done((f32[4], f32[8]) %ags)
+  %a2a = f32[2,4] all-to-all(f32[2,4] %z), dimensions={0}
+  %add = f32[8] add(f32[8] %ar, f32[8] %agd)
+"""
+    assert cr.count_collectives(hlo) == {"all-reduce": 1, "all-gather": 1, "all-to-all": 1}
+
+
+@pytest.mark.tpu
+def test_micro_train_step_compiles_for_a_tpu_slice():
+    available, reason = aot.libtpu_status()
+    if not available:
+        pytest.skip(reason)
+    import experiments
+    run = next(r for r in experiments.load_suite("smoke") if r.arch == "smelt")
+    report = cr.compile_run(run, "v5e-4", Parallelism(data=2, fsdp=2))
+    print(cr.format_report(report))
+    assert report.fits and report.error is None
+    assert 0 < report.peak_bytes < report.hbm_bytes
+    assert report.argument_bytes > 0 and report.compiled_flops > 0 and report.budget_flops > 0
+    # data x fsdp: gradients are reduced and FSDP parameters gathered across devices
+    assert report.collectives.get("all-reduce", 0) + report.collectives.get("reduce-scatter", 0) > 0
+    assert report.collectives.get("all-gather", 0) > 0
+    assert report.layout == {"data": 2, "fsdp": 2, "expert": 1, "tensor": 1}
