@@ -17,7 +17,7 @@ from smelt_jax.config import ModelConfig
 from smelt_jax.kernels import expert_ffn, resolve_impl
 from smelt_jax.model.attention import INIT_STD, truncated_normal
 from smelt_jax.model.router import Router, expert_load_stats
-from smelt_jax.sharding import param
+from smelt_jax.sharding import mesh_is_set, param
 
 
 def expert_capacity(cfg: ModelConfig, tokens: int) -> int | None:
@@ -68,6 +68,12 @@ class MoE(nnx.Module):
         dropped_fraction, topk_ids [b, s, k]).
         """
         cfg = self.cfg
+        if mesh_is_set() and jax.sharding.get_abstract_mesh().shape.get("expert", 1) > 1:
+            # Experts sharded over the mesh: tokens travel to their experts by all_to_all, and each
+            # device runs the expert kernel on its own experts (Mosaic kernels do not auto-shard).
+            from smelt_jax.parallel.expert_parallel import expert_parallel_moe  # imports this module
+            return expert_parallel_moe(x, token_mask, self.router.weight[...], self.w_gate[...],
+                                       self.w_up[...], self.w_down[...], cfg)
         b, s, d = x.shape
         tokens = x.reshape(b * s, d)
         mask = token_mask.reshape(-1)

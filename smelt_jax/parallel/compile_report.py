@@ -115,7 +115,7 @@ class CompileReport:
 # Mosaic (Pallas) kernels cannot be partitioned by GSPMD ("wrap the call in a shard_map"): until the
 # MoE layer calls its kernel inside a shard_map (smelt_jax.parallel.expert_parallel), the sharded TPU
 # program uses XLA's native grouped matmul.
-TPU_EXPERT_IMPL = "ragged_dot"
+TPU_EXPERT_IMPL = "auto"
 
 
 def _tpu_config(run: RunSpec, remat: str):
