@@ -1,0 +1,106 @@
+"""`smelt fit`, `smelt gain`, `smelt tables`, `smelt fits-all`: scaling-law fits and compute-equivalent gains.
+
+Thin wrappers over smelt_jax.scaling.pipeline; JAX is imported only when a command runs.
+"""
+
+from __future__ import annotations
+
+import json
+
+from smelt_jax.cli import CliError
+
+
+def _floats(text: str, name: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError as err:
+        raise CliError(f"--{name}: expected comma-separated numbers, got {text!r}") from err
+    if not values:
+        raise CliError(f"--{name}: no values given")
+    return values
+
+
+def _fit(args) -> int:
+    from smelt_jax.scaling import pipeline
+
+    if args.bootstrap < 0:
+        raise CliError("--bootstrap must be >= 0")
+    coefficients = pipeline.fit_to_dir(args.input, args.law, args.out, arch=args.arch, method=args.method,
+                                       n_bootstrap=args.bootstrap, seed=args.seed)
+    names = [k for k in ("E", "A", "B", "K", "a", "b", "c", "alpha", "beta", "phi") if k in coefficients]
+    print(" ".join(f"{k}={coefficients[k]:.6g}" for k in names)
+          + f"  rmse={coefficients['rmse']:.5f}  n={coefficients['n_points']}  -> {args.out}/coefficients.json")
+    return 0
+
+
+def _gain(args) -> int:
+    from smelt_jax.scaling import pipeline, tables
+
+    sparsities = _floats(args.sparsity, "sparsity")
+    if any(not 0 <= s < 1 for s in sparsities):
+        raise CliError("--sparsity values must lie in [0, 1)")
+    rows = pipeline.gain_report(args.reference, args.target, _floats(args.compute, "compute"), sparsities)
+    if args.json:
+        print(json.dumps(pipeline._round(rows), indent=2, sort_keys=True))
+    else:
+        columns, headers = tables.gain_columns(rows)
+        print(tables.to_markdown(rows, columns, headers), end="")
+    return 0
+
+
+def _tables(args) -> int:
+    from smelt_jax.scaling import pipeline
+
+    for path in pipeline.write_tables(args.fit_dir):
+        print(path)
+    return 0
+
+
+def _fits_all(args) -> int:
+    from smelt_jax.scaling import pipeline
+
+    for path in pipeline.fits_all(args.root, chinchilla_draws=args.chinchilla_draws):
+        print(path)
+    return 0
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("fit", help="fit a scaling law to a table of runs",
+                              description="Huber (delta 1e-3) fit on log-loss, vectorised L-BFGS from a grid "
+                                          "of starts; writes OUT/coefficients.json (+ points.csv, bootstrap.npz).")
+    p.add_argument("--law", required=True, choices=["smelt", "chinchilla", "looped"],
+                   help="smelt: L(F,S,D) (columns arch,F,S,D,loss,cell); chinchilla: L(N,D) (N,D,loss); "
+                        "looped: Schwethelm et al. (N_once,N_rec,r,D,loss)")
+    p.add_argument("--input", required=True, help="input table, .csv or .parquet")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--bootstrap", type=int, default=0, metavar="N",
+                   help="cell-bootstrap draws (resample whole cells; 0 = none)")
+    p.add_argument("--arch", default=None, help="fit only rows whose arch column equals NAME")
+    p.add_argument("--seed", type=int, default=0, help="bootstrap seed (same seed = paired draws across archs)")
+    p.add_argument("--method", default="huber", choices=["huber", "huber-likelihood"],
+                   help="huber: summed Huber, grid + L-BFGS (paper); huber-likelihood: Epoch AI's Huber-"
+                        "density NLL with free scale, BFGS from Hoffmann's values (Chinchilla law only)")
+    p.set_defaults(handler=_fit)
+
+    p = subparsers.add_parser("gain", help="compute-equivalent gain of a target law over a reference",
+                              description="CE(C) = 1 - C/C_ref where the reference frontier reaches the "
+                                          "target's frontier loss at C_ref; also TPP = D*/(F*/6).")
+    p.add_argument("--reference", required=True, help="reference fit directory or coefficients JSON")
+    p.add_argument("--target", required=True, help="target fit directory or coefficients JSON")
+    p.add_argument("--compute", default="1e20,1e21,1e22", help="target computes, comma separated")
+    p.add_argument("--sparsity", default="0.85,0.95,0.97", help="sparsities S, comma separated")
+    p.add_argument("--json", action="store_true", help="print JSON rows instead of a markdown table")
+    p.set_defaults(handler=_gain)
+
+    p = subparsers.add_parser("tables", help="markdown/CSV/LaTeX tables and PNG/PDF figures of a fit",
+                              description="FITDIR with coefficients.json (one fit) or pair.json (CE gains "
+                                          "between two fit subdirectories).")
+    p.add_argument("fit_dir", metavar="FITDIR")
+    p.set_defaults(handler=_tables)
+
+    p = subparsers.add_parser("fits-all", help="regenerate everything under fits/ deterministically",
+                              description="fits/paper (published coefficients -> CE gains, TPP) and "
+                                          "fits/chinchilla (Epoch AI replication with bootstrap SEs).")
+    p.add_argument("--root", default="fits", help="output root (default fits/)")
+    p.add_argument("--chinchilla-draws", type=int, default=4000, help="bootstrap draws for the Chinchilla SEs")
+    p.set_defaults(handler=_fits_all)

@@ -1,0 +1,102 @@
+"""Reading and validating input tables (CSV or parquet) and fit directories."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from smelt_jax.scaling.laws import LAWS, law_from_dict
+
+# Columns each law's fit needs; `loss` always, `cell` for the cell bootstrap (optional for Chinchilla and
+# the looped law: each row is then its own cell).
+REQUIRED = {"smelt": ("arch", "F", "S", "D", "loss", "cell"), "chinchilla": ("N", "D", "loss"),
+            "looped": ("N_once", "N_rec", "r", "D", "loss")}
+POSITIVE = {"smelt": ("F", "D", "loss"), "chinchilla": ("N", "D", "loss"),
+            "looped": ("N_once", "N_rec", "r", "D", "loss")}
+
+
+def read_table(path) -> pd.DataFrame:
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"input table {path} does not exist")
+    if path.suffix == ".csv":
+        return pd.read_csv(path)
+    if path.suffix in (".parquet", ".pq"):
+        return pd.read_parquet(path)
+    raise ValueError(f"input table {path}: expected .csv or .parquet")
+
+
+def validate(table: pd.DataFrame, law_name: str, source: str = "table") -> pd.DataFrame:
+    """Check columns, values and size for `law_name`; returns the table with a `cell` column."""
+    if law_name not in REQUIRED:
+        raise ValueError(f"unknown law {law_name!r}; choose one of {sorted(REQUIRED)}")
+    missing = [c for c in REQUIRED[law_name] if c not in table.columns]
+    if missing:
+        raise ValueError(f"{source}: missing column(s) {missing} for the {law_name} law "
+                         f"(needs {list(REQUIRED[law_name])})")
+    numeric = [c for c in REQUIRED[law_name] if c not in ("arch", "cell")]
+    for col in numeric:
+        values = pd.to_numeric(table[col], errors="coerce")
+        bad = ~np.isfinite(values.to_numpy(float))
+        if bad.any():
+            raise ValueError(f"{source}: column {col!r} has NaN or non-numeric values in rows "
+                             f"{list(np.flatnonzero(bad)[:5])}")
+    for col in POSITIVE[law_name]:
+        bad = table[col].to_numpy(float) <= 0
+        if bad.any():
+            raise ValueError(f"{source}: column {col!r} must be > 0; rows {list(np.flatnonzero(bad)[:5])}")
+    if law_name == "smelt":
+        s = table["S"].to_numpy(float)
+        if ((s < 0) | (s >= 1)).any():
+            raise ValueError(f"{source}: column 'S' must lie in [0, 1)")
+    if law_name == "looped" and (table["r"].to_numpy(float) < 1).any():
+        raise ValueError(f"{source}: column 'r' must be >= 1")
+    n_params = len(LAWS[law_name].param_names)
+    if len(table) <= n_params:
+        raise ValueError(f"{source}: {len(table)} rows is too few to fit the {n_params} parameters of the "
+                         f"{law_name} law (need more than {n_params})")
+    table = table.copy()
+    if "cell" not in table.columns:
+        table["cell"] = np.arange(len(table))
+    return table.reset_index(drop=True)
+
+
+def repo_root() -> Path:
+    return Path(__file__).resolve().parents[2]
+
+
+def chinchilla_table(csv_path=None, drop_highest: int = 5) -> tuple[pd.DataFrame, np.ndarray, int]:
+    """Epoch AI's filtered Chinchilla table: (table with N, D, loss; kept original row numbers; rows read).
+
+    Drops points with loss >= sorted(loss)[-drop_highest] (Epoch's filter; 240 of 245 points) and derives
+    D = C / (6 N).
+    """
+    path = Path(csv_path) if csv_path else repo_root().parent / "shared" / "data" / "chinchilla" / \
+        "svg_extracted_data.csv"
+    if not path.exists():
+        raise FileNotFoundError(f"Chinchilla data not found at {path} (expected ../shared/data/chinchilla/ "
+                                "next to the repository; see its README)")
+    raw = pd.read_csv(path)
+    loss = raw["loss"].to_numpy(float)
+    kept = np.flatnonzero(loss < np.sort(loss)[-drop_highest]) if drop_highest else np.arange(len(raw))
+    n, c = raw["Model Size"].to_numpy(float), raw["Training FLOP"].to_numpy(float)
+    table = pd.DataFrame({"N": n[kept], "D": c[kept] / (6.0 * n[kept]), "loss": loss[kept], "cell": kept})
+    return table, kept, len(raw)
+
+
+def load_coefficients(path) -> dict:
+    """coefficients.json from a fit directory or a JSON file; must name its law and parameters."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "coefficients.json"
+    if not path.exists():
+        raise FileNotFoundError(f"no coefficients at {path}")
+    data = json.loads(path.read_text())
+    if "law" not in data:
+        raise ValueError(f"{path}: missing 'law'")
+    data["_law"] = law_from_dict(data["law"], data)
+    data["_path"] = str(path)
+    return data

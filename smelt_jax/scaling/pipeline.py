@@ -1,0 +1,234 @@
+"""File-level steps behind the CLI: fit a table into a directory, CE-gain reports, tables, and `fits-all`.
+
+A fit directory holds coefficients.json (the law's parameters under their own names, fit statistics,
+bootstrap intervals), points.csv (the fitted rows) and, when bootstrapped, bootstrap.npz (raw draws [draws, p]).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from smelt_jax.scaling import bootstrap, fit, gains, io, paper, tables
+from smelt_jax.scaling.laws import LAWS, ChinchillaLaw, SmeltLaw
+
+
+def _round(value, digits: int = 8):
+    """Round floats to `digits` significant digits (recursively) so JSON diffs show only real changes."""
+    if isinstance(value, dict):
+        return {k: _round(v, digits) for k, v in sorted(value.items())}
+    if isinstance(value, (list, tuple)):
+        return [_round(v, digits) for v in value]
+    if isinstance(value, (float, np.floating)):
+        return float(f"{float(value):.{digits}g}")
+    if isinstance(value, np.integer):
+        return int(value)
+    if isinstance(value, np.bool_):
+        return bool(value)
+    return value
+
+
+def write_json(path, data) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(_round(data), indent=2, sort_keys=True) + "\n")
+    return path
+
+
+def fit_table(table: pd.DataFrame, law_name: str, *, method: str = "huber", n_bootstrap: int = 0,
+              seed: int = 0) -> tuple[dict, dict | None]:
+    """Fit a validated table. Returns (coefficients dict, bootstrap dict or None)."""
+    law = LAWS[law_name]
+    features, loss = law.features(table), table["loss"].to_numpy(float)
+    if method == "huber":
+        result = fit.fit_law(law, features, loss)
+    elif method == "huber-likelihood":
+        result = fit.fit_huber_likelihood(law, features, loss)
+    else:
+        raise ValueError(f"unknown method {method!r} (huber | huber-likelihood)")
+    coefficients = {**result.to_dict(), "delta": fit.HUBER_DELTA}
+    if law is SmeltLaw:
+        coefficients["compute_range"] = list(gains.fitted_compute_range(table["F"], table["D"]))
+    elif law is ChinchillaLaw:
+        coefficients["compute_range"] = [float((6 * table["N"] * table["D"]).min()),
+                                         float((6 * table["N"] * table["D"]).max())]
+    boot = None
+    if n_bootstrap:
+        boot = bootstrap.cell_bootstrap(law, features, loss, table["cell"].astype(str).to_numpy(),
+                                        np.asarray(result.raw), n_draws=n_bootstrap, seed=seed)
+        coefficients["intervals"] = boot["intervals"]
+        coefficients["bootstrap"] = {k: boot[k] for k in ("n_draws", "n_converged", "n_cells", "seed")}
+    return coefficients, boot
+
+
+def fit_to_dir(input_path, law_name: str, out_dir, *, arch: str | None = None, method: str = "huber",
+               n_bootstrap: int = 0, seed: int = 0) -> dict:
+    table = io.read_table(input_path)
+    if arch is not None:
+        if "arch" not in table.columns:
+            raise ValueError(f"{input_path}: --arch given but the table has no 'arch' column")
+        table = table[table["arch"].astype(str) == arch]
+        if table.empty:
+            raise ValueError(f"{input_path}: no rows with arch == {arch!r}")
+    table = io.validate(table, law_name, str(input_path))
+    coefficients, boot = fit_table(table, law_name, method=method, n_bootstrap=n_bootstrap, seed=seed)
+    coefficients.update({"input": str(input_path), "arch": arch})
+    out_dir = Path(out_dir)
+    write_json(out_dir / "coefficients.json", coefficients)
+    sort_cols = [c for c in LAWS[law_name].columns if c in table.columns]
+    table.sort_values(sort_cols, kind="stable").to_csv(out_dir / "points.csv", index=False)
+    if boot is not None:
+        np.savez(out_dir / "bootstrap.npz", raw=boot["raw"], converged=boot["converged"])
+    return coefficients
+
+
+def _draws(coefficients: dict):
+    """Bootstrap laws stored next to a coefficients.json, or None."""
+    path = Path(coefficients["_path"]).parent / "bootstrap.npz"
+    if not path.exists():
+        return None
+    data = np.load(path)
+    law = type(coefficients["_law"])
+    return [law.from_raw(r) if ok else None for r, ok in zip(data["raw"], data["converged"])]
+
+
+def gain_report(reference_path, target_path, computes, sparsities) -> list[dict]:
+    """CE-gain rows of target over reference (both smelt-law coefficients), with intervals when both
+    directories hold paired bootstrap draws (same count)."""
+    ref, tgt = io.load_coefficients(reference_path), io.load_coefficients(target_path)
+    for data in (ref, tgt):
+        if not isinstance(data["_law"], SmeltLaw):
+            raise ValueError(f"{data['_path']}: CE gains need smelt-law coefficients, got {data['law']}")  # noqa: TRY004
+    ref_draws, tgt_draws = _draws(ref), _draws(tgt)
+    if ref_draws is None or tgt_draws is None or len(ref_draws) != len(tgt_draws):
+        ref_draws = tgt_draws = None
+    else:
+        pairs = [(r, t) for r, t in zip(ref_draws, tgt_draws) if r is not None and t is not None]
+        ref_draws, tgt_draws = [p[0] for p in pairs], [p[1] for p in pairs]
+    ranges = [d.get("compute_range") for d in (ref, tgt) if d.get("compute_range")]
+    compute_range = (max(r[0] for r in ranges), min(r[1] for r in ranges)) if ranges else None
+    return gains.gain_rows(ref["_law"], tgt["_law"], computes, sparsities, compute_range=compute_range,
+                           reference_draws=ref_draws, target_draws=tgt_draws)
+
+
+def write_fit_tables(fit_dir) -> list[Path]:
+    """Coefficient table (md/csv/tex) and, for smelt-law fits, the loss-vs-compute figure."""
+    fit_dir = Path(fit_dir)
+    coefficients = io.load_coefficients(fit_dir)
+    rows = tables.coefficient_rows(coefficients)
+    columns = [c for c in ("parameter", "estimate", "se", "lo", "hi") if any(c in r for r in rows)]
+    paths = tables.write_table(fit_dir, "coefficients", rows, columns)
+    if isinstance(coefficients["_law"], SmeltLaw):
+        points_path = fit_dir / "points.csv"
+        if points_path.exists():   # a figure only where there are fitted points to show
+            paths += tables.loss_vs_compute_figure(
+                fit_dir, {coefficients.get("arch") or "fit": coefficients["_law"]}, pd.read_csv(points_path))
+    return paths
+
+
+def write_pair_tables(pair_dir, reference="baseline", target="smelt", computes=paper.COMPUTES,
+                      sparsities=paper.SPARSITIES) -> list[Path]:
+    """CE-gain table and figures for a directory holding reference/ and target/ fit directories."""
+    pair_dir = Path(pair_dir)
+    rows = gain_report(pair_dir / reference, pair_dir / target, computes, sparsities)
+    columns, headers = tables.gain_columns(rows)
+    paths = tables.write_table(pair_dir, "ce_gain", rows, columns, headers)
+    ref, tgt = io.load_coefficients(pair_dir / reference), io.load_coefficients(pair_dir / target)
+    ref_draws, tgt_draws = _draws(ref), _draws(tgt)
+    paths += tables.ce_gain_figure(pair_dir, ref["_law"], tgt["_law"], sparsities,
+                                   reference_draws=ref_draws, target_draws=tgt_draws)
+    paths += tables.loss_vs_compute_figure(pair_dir, {reference: ref["_law"], target: tgt["_law"]},
+                                           sparsities=sparsities)
+    return paths
+
+
+def write_tables(path) -> list[Path]:
+    """`smelt tables DIR`: a fit directory (coefficients.json) or a pair directory (pair.json)."""
+    path = Path(path)
+    if (path / "pair.json").exists():
+        pair = json.loads((path / "pair.json").read_text())
+        paths = []
+        for name in (pair["reference"], pair["target"]):
+            paths += write_fit_tables(path / name)
+        return paths + write_pair_tables(path, pair["reference"], pair["target"], pair["compute"],
+                                         pair["sparsity"])
+    if (path / "coefficients.json").exists():
+        return write_fit_tables(path)
+    raise FileNotFoundError(f"{path}: neither coefficients.json nor pair.json found")
+
+
+# ---------------------------------------------------------------------------------------------------
+# fits-all
+
+def write_paper_fits(out_dir) -> list[Path]:
+    """fits/paper/: the published coefficients as fit directories, and the CE-gain/TPP tables from them."""
+    out_dir = Path(out_dir)
+    for name, law in (("baseline", paper.BASELINE), ("smelt", paper.SMELT)):
+        write_json(out_dir / name / "coefficients.json",
+                   {"law": "smelt", **law.to_dict(), "rmse": paper.RMSE[name], "n_points": paper.N_POINTS,
+                    "arch": name, "source": "SMELT paper, spec section 7 (published coefficients)",
+                    "compute_range": list(paper.COMPUTE_RANGE),
+                    "compute_range_note": "approximate: 6 x active params (spec 4) x horizons (spec 5)"})
+    write_json(out_dir / "pair.json", {"reference": "baseline", "target": "smelt",
+                                       "compute": list(paper.COMPUTES), "sparsity": list(paper.SPARSITIES)})
+    paths = write_tables(out_dir)
+    rows = []
+    for row in gains.gain_rows(paper.BASELINE, paper.SMELT, paper.COMPUTES, paper.SPARSITIES):
+        published, lo, hi = paper.CE_GAIN[(row["C"], row["S"])]
+        tpp = paper.TPP_1E21.get(row["S"]) if row["C"] == 1e21 else None
+        rows.append({"C": row["C"], "S": row["S"], "ours": f"{100 * row['ce_gain']:.2f}",
+                     "paper": f"{published:.1f} [{lo}, {hi}]",
+                     "diff_pp": f"{100 * row['ce_gain'] - published:+.2f}",
+                     "tpp_ours": f"{row['tpp_reference']:.1f} / {row['tpp_target']:.1f}",
+                     "tpp_paper": f"{tpp[0]} / {tpp[1]}" if tpp else "-"})
+    return paths + tables.write_table(
+        out_dir, "paper_comparison", rows, ["C", "S", "ours", "paper", "diff_pp", "tpp_ours", "tpp_paper"],
+        ["C", "S", "CE ours (%)", "CE paper (%) [95% CI]", "diff (pp)", "TPP ours B/S", "TPP paper B/S"])
+
+
+CHINCHILLA_DEFINITION = {
+    "data": "../shared/data/chinchilla/svg_extracted_data.csv",
+    "filter": "keep loss < sorted(loss)[-5] (240 of 245 points); D = C / (6 N)",
+    "law": "chinchilla",
+    "point_estimate": "Huber-density NLL (delta 1e-3, free scale), scipy BFGS from Hoffmann's unrounded values",
+    "bootstrap": {"draws": 4000, "seed": 42, "resample": "points, np.random.seed(42) + np.random.choice",
+                  "objective": "Huber sum (delta 1e-3)", "start": "Hoffmann's unrounded values",
+                  "optimizer": "vectorised L-BFGS (smelt_jax.scaling.lbfgs)"},
+    "epoch_published": {"E": 1.8169, "A": 482.01, "B": 2085.43, "alpha": 0.3478, "beta": 0.3659,
+                        "se": {"A": 124.52, "B": 1293.28, "E": 0.0257, "alpha": 0.0154, "beta": 0.0206}},
+}
+
+
+def write_chinchilla_fits(out_dir, n_draws: int = 4000, csv_path=None) -> list[Path]:
+    """fits/chinchilla/: Epoch AI's replication (point estimate, bootstrap SEs) and the Huber grid fit."""
+    out_dir = Path(out_dir)
+    table, kept, n_rows = io.chinchilla_table(csv_path)
+    features, loss = ChinchillaLaw.features(table), table["loss"].to_numpy(float)
+    epoch = fit.fit_huber_likelihood(ChinchillaLaw, features, loss)
+    grid = fit.fit_law(ChinchillaLaw, features, loss)
+    weights = bootstrap.epoch_point_weights(n_rows, kept, n_draws, seed=42)
+    boot = bootstrap.refit(ChinchillaLaw, features, loss, weights, fit.HOFFMANN_RAW)
+    ivals = bootstrap.intervals(bootstrap.parameter_draws(ChinchillaLaw, boot["raw"][boot["converged"]]))
+    definition = {**CHINCHILLA_DEFINITION, "bootstrap": {**CHINCHILLA_DEFINITION["bootstrap"], "draws": n_draws}}
+    write_json(out_dir / "fit.json", definition)
+    coefficients = {**epoch.to_dict(), "intervals": ivals,
+                    "bootstrap": {"n_draws": n_draws, "n_converged": int(boot["converged"].sum()), "seed": 42},
+                    "huber_grid_fit": grid.to_dict(), "n_points": len(loss)}
+    write_json(out_dir / "coefficients.json", coefficients)
+    published = CHINCHILLA_DEFINITION["epoch_published"]
+    rows = []
+    for name in ChinchillaLaw.param_names:
+        rows.append({"parameter": name, "ours": float(getattr(epoch.law, name)), "epoch": published[name],
+                     "ours_se": ivals[name]["se"], "epoch_se": published["se"][name],
+                     "huber_grid": float(getattr(grid.law, name))})
+    return [out_dir / "fit.json", out_dir / "coefficients.json"] + tables.write_table(
+        out_dir, "replication", rows, ["parameter", "ours", "epoch", "ours_se", "epoch_se", "huber_grid"],
+        ["parameter", "ours", "Epoch", "ours SE", "Epoch SE", "Huber-sum grid fit"])
+
+
+def fits_all(root="fits", chinchilla_draws: int = 4000) -> list[Path]:
+    root = Path(root)
+    return write_paper_fits(root / "paper") + write_chinchilla_fits(root / "chinchilla", chinchilla_draws)
