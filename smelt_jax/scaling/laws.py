@@ -38,8 +38,11 @@ class SmeltLaw:
 
     name: ClassVar[str] = "smelt"
     param_names: ClassVar[tuple[str, ...]] = ("E", "A", "K", "a", "b", "c")
-    # raw = (log E, log A, log K, a, b, c); features = (log F, log(1-S), log D)
-    raw_names: ClassVar[tuple[str, ...]] = ("log_E", "log_A", "log_K", "a", "b", "c")
+    # raw = (log E, log A, log K, log a, b, log c); features = (log F, log(1-S), log D). The capacity
+    # and data exponents are fitted in log space so every fit lies in the law's domain (a, c > 0:
+    # more compute or data never raises the loss), as the paper's bounded L-BFGS-B does; on data
+    # that cannot identify them they go to ~0 instead of turning negative.
+    raw_names: ClassVar[tuple[str, ...]] = ("log_E", "log_A", "log_K", "log_a", "b", "log_c")
     columns: ClassVar[tuple[str, ...]] = ("F", "S", "D")
 
     def __post_init__(self):
@@ -63,25 +66,29 @@ class SmeltLaw:
     @staticmethod
     def log_terms(raw, features, xp=np):
         """[n, 3] log of the three additive terms; raw [6], features [n, 3]."""
-        log_e, log_a, log_k, a, b, c = (raw[i] for i in range(6))
+        log_e, log_a, log_k, log_exp_a, b, log_exp_c = (raw[i] for i in range(6))
+        a, c = xp.exp(log_exp_a), xp.exp(log_exp_c)
         n = features.shape[0]
         return xp.stack([xp.full((n,), 1.0) * log_e,
                          log_a + b * features[:, 1] - a * features[:, 0],
                          log_k - c * features[:, 2]], axis=1)
 
     def to_raw(self) -> np.ndarray:
-        return np.array([np.log(self.E), np.log(self.A), np.log(self.K), self.a, self.b, self.c])
+        return np.array([np.log(self.E), np.log(self.A), np.log(self.K), np.log(self.a), self.b,
+                         np.log(self.c)])
 
     @classmethod
     def from_raw(cls, raw) -> SmeltLaw:
         raw = [float(v) for v in raw]
-        return cls(E=np.exp(raw[0]), A=np.exp(raw[1]), K=np.exp(raw[2]), a=raw[3], b=raw[4], c=raw[5])
+        return cls(E=np.exp(raw[0]), A=np.exp(raw[1]), K=np.exp(raw[2]), a=np.exp(raw[3]), b=raw[4],
+                   c=np.exp(raw[5]))
 
     @staticmethod
     def start_grid() -> np.ndarray:
         """[starts, 6] raw initial points (1,296): a coarse Chinchilla-style grid."""
+        exponents = np.log([0.2, 0.5, 1.0])
         axes = [np.array([0.0, 0.5]), np.arange(0.0, 20.1, 5.0), np.arange(0.0, 20.1, 5.0),
-                np.array([0.2, 0.5, 1.0]), np.array([0.0, 0.3, 0.6]), np.array([0.2, 0.5, 1.0])]
+                exponents, np.array([0.0, 0.3, 0.6]), exponents]
         # 2*5*5*3*3*3 = 1350
         return np.stack(np.meshgrid(*axes, indexing="ij"), axis=-1).reshape(-1, 6)
 

@@ -7,6 +7,7 @@ bootstrap intervals), points.csv (the fitted rows) and, when bootstrapped, boots
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -95,6 +96,16 @@ def _draws(coefficients: dict):
     return [law.from_raw(r) if ok else None for r, ok in zip(data["raw"], data["converged"])]
 
 
+def _paired_draws(ref: dict, tgt: dict):
+    """Bootstrap laws of both fits, draw by draw, keeping draws where both converged; (None, None)
+    without paired draws (same count, from fits with the same seed and cells)."""
+    ref_draws, tgt_draws = _draws(ref), _draws(tgt)
+    if ref_draws is None or tgt_draws is None or len(ref_draws) != len(tgt_draws):
+        return None, None
+    pairs = [(r, t) for r, t in zip(ref_draws, tgt_draws) if r is not None and t is not None]
+    return [p[0] for p in pairs], [p[1] for p in pairs]
+
+
 def gain_report(reference_path, target_path, computes, sparsities) -> list[dict]:
     """CE-gain rows of target over reference (both smelt-law coefficients), with intervals when both
     directories hold paired bootstrap draws (same count)."""
@@ -102,12 +113,7 @@ def gain_report(reference_path, target_path, computes, sparsities) -> list[dict]
     for data in (ref, tgt):
         if not isinstance(data["_law"], SmeltLaw):
             raise ValueError(f"{data['_path']}: CE gains need smelt-law coefficients, got {data['law']}")  # noqa: TRY004
-    ref_draws, tgt_draws = _draws(ref), _draws(tgt)
-    if ref_draws is None or tgt_draws is None or len(ref_draws) != len(tgt_draws):
-        ref_draws = tgt_draws = None
-    else:
-        pairs = [(r, t) for r, t in zip(ref_draws, tgt_draws) if r is not None and t is not None]
-        ref_draws, tgt_draws = [p[0] for p in pairs], [p[1] for p in pairs]
+    ref_draws, tgt_draws = _paired_draws(ref, tgt)
     ranges = [d.get("compute_range") for d in (ref, tgt) if d.get("compute_range")]
     compute_range = (max(r[0] for r in ranges), min(r[1] for r in ranges)) if ranges else None
     return gains.gain_rows(ref["_law"], tgt["_law"], computes, sparsities, compute_range=compute_range,
@@ -137,11 +143,12 @@ def write_pair_tables(pair_dir, reference="baseline", target="smelt", computes=p
     columns, headers = tables.gain_columns(rows)
     paths = tables.write_table(pair_dir, "ce_gain", rows, columns, headers)
     ref, tgt = io.load_coefficients(pair_dir / reference), io.load_coefficients(pair_dir / target)
-    ref_draws, tgt_draws = _draws(ref), _draws(tgt)
-    paths += tables.ce_gain_figure(pair_dir, ref["_law"], tgt["_law"], sparsities,
+    ref_draws, tgt_draws = _paired_draws(ref, tgt)
+    axis = (min(computes) / 10, max(computes) * 10)  # a decade either side of the tabulated computes
+    paths += tables.ce_gain_figure(pair_dir, ref["_law"], tgt["_law"], sparsities, compute=axis,
                                    reference_draws=ref_draws, target_draws=tgt_draws)
     paths += tables.loss_vs_compute_figure(pair_dir, {reference: ref["_law"], target: tgt["_law"]},
-                                           sparsities=sparsities)
+                                           sparsities=sparsities, compute=axis)
     return paths
 
 
@@ -229,6 +236,41 @@ def write_chinchilla_fits(out_dir, n_draws: int = 4000, csv_path=None) -> list[P
         ["parameter", "ours", "Epoch", "ours SE", "Epoch SE", "Huber-sum grid fit"])
 
 
+def _one_figure(value: float) -> float:
+    exponent = math.floor(math.log10(value))
+    return round(value / 10 ** exponent) * 10 ** exponent
+
+
+def gain_grid(points: pd.DataFrame) -> tuple[list[float], list[float]]:
+    """Computes (low, middle, high of the fitted C = F x D range, one significant figure) and the
+    table's sparsity levels (mean S per label, to 0.01) at which to report CE gains."""
+    compute = points["F"] * points["D"]
+    low, high = float(compute.min()), float(compute.max())
+    computes = sorted({_one_figure(c) for c in (low, math.sqrt(low * high), high)})
+    sparsities = sorted({round(float(s), 2) for s in points.groupby("sparsity_label")["S"].mean()})
+    return computes, sparsities
+
+
+def fit_suite_table(out_dir, n_bootstrap: int = 200, seed: int = 0) -> list[Path]:
+    """A trained suite's endpoints (`out_dir/results.csv`: arch, F, S, D, loss, cell, sparsity_label):
+    the smelt law fitted per architecture into baseline/ and smelt/, then the pair's CE-gain tables
+    and figures over the fitted compute range (`gain_grid`)."""
+    out_dir = Path(out_dir)
+    points = pd.read_csv(out_dir / "results.csv")
+    for arch in ("baseline", "smelt"):
+        fit_to_dir(out_dir / "results.csv", "smelt", out_dir / arch, arch=arch,
+                   n_bootstrap=n_bootstrap, seed=seed)
+    computes, sparsities = gain_grid(points)
+    write_json(out_dir / "pair.json", {"reference": "baseline", "target": "smelt",
+                                       "compute": computes, "sparsity": sparsities})
+    return write_tables(out_dir)
+
+
 def fits_all(root="fits", chinchilla_draws: int = 4000) -> list[Path]:
+    """Every fit under `root`: the paper's, the Chinchilla replication, and each trained suite's
+    `<suite>/results.csv` (written by `make demo` / smelt_jax.demo)."""
     root = Path(root)
-    return write_paper_fits(root / "paper") + write_chinchilla_fits(root / "chinchilla", chinchilla_draws)
+    paths = write_paper_fits(root / "paper") + write_chinchilla_fits(root / "chinchilla", chinchilla_draws)
+    for table in sorted(root.glob("*/results.csv")):
+        paths += fit_suite_table(table.parent)
+    return paths
