@@ -272,7 +272,7 @@ def _sweep(graph: JobGraph, settings: LocalSettings, root: Path) -> dict[str, Jo
                 break
             time.sleep(settings.poll_seconds)
     finally:
-        for proc, log in procs.values():  # on a signal or error: let trainers save and stop
+        for proc, _log in procs.values():  # on a signal or error: let trainers save and stop
             proc.terminate()
         for name, (proc, log) in procs.items():
             try:

@@ -255,7 +255,7 @@ def train(run: RunSpec, branch: int | None = None, *, root: Path | None = None, 
     # Only process 0 writes metrics; the others log into the void.
     log_context = metrics_file.open("a") if is_writer else open(os.devnull, "w")
     with _StopFlag() as stop, log_context as log, jax.set_mesh(mesh):
-        for step in range(step, end):
+        for step in range(step, end):  # noqa: B020 (step is the resume point, then the last step)
             batch = ts.global_batch(plan, next(iterator), schedule.batch_size)
             lr = _replicated_scalar(mesh, lr_lib.learning_rate(schedule, step, branch))
             params, opt_state, metrics = train_step(params, opt_state, batch, lr)
