@@ -15,7 +15,14 @@ from smelt_jax.kernels.gmm import gmm, make_group_metadata, tgmm
 from smelt_jax.kernels.pallas_ffn import pallas_expert_ffn
 from smelt_jax.kernels.swiglu import grouped_swiglu
 
-jax.config.update("jax_default_matmul_precision", "highest")
+
+
+@pytest.fixture(autouse=True)
+def _highest_matmul_precision():
+    """References in full float32 for these tests only: a global config update would leak into other
+    test modules (pytest imports them all), and Mosaic rejects bf16 dots at HIGHEST precision."""
+    with jax.default_matmul_precision("highest"):
+        yield
 
 TILING = (32, 128, 128)  # small row tile -> many tile-sharing groups; k, n tiles exercise padding at 160
 ABS_TOL = {jnp.float32: 1e-4, jnp.bfloat16: 5e-2}
