@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from smelt_jax import paper
 from smelt_jax.config import ModelConfig, Schedule, smelt_loop
-from smelt_jax.descriptors import RunSpec
+from smelt_jax.descriptors import Parallelism, RunSpec
 from smelt_jax.matching import SearchGrid, match
+from smelt_jax.parallel.layout import layout_key, load_layouts
 
 SUITE = "smelt16"
 VOCAB = 65_536  # not published; a 64k BPE vocabulary (embeddings are outside every budget)
@@ -62,6 +63,9 @@ def smelt_config(scale: str, sparsity_label: str) -> ModelConfig:
 
 
 def build() -> list[RunSpec]:
+    # Layouts chosen by ahead-of-time compilation for TPU slices (`make compile-report` writes
+    # experiments/layouts.json; docs/parallelism.md); configurations not compiled yet keep the default.
+    layouts = load_layouts()
     runs = []
     for scale in paper.SCALES:
         controls = {"baseline": baseline_config(scale, 8), "smelt": smelt_config(scale, "s0")}
@@ -71,5 +75,7 @@ def build() -> list[RunSpec]:
             for arch in ("baseline", "smelt"):
                 runs.append(RunSpec(suite=SUITE, scale=scale, sparsity_label=label, arch=arch,
                                     model=models[arch], schedule=schedule(scale),
-                                    control=controls[arch], pair_id=f"{SUITE}-{scale}-{label}"))
+                                    control=controls[arch], pair_id=f"{SUITE}-{scale}-{label}",
+                                    parallelism=layouts.get(layout_key(scale, label, arch),
+                                                            Parallelism())))
     return runs

@@ -29,7 +29,9 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("router_experts", None),  # router output columns: small, every device needs all of them
     ("layers", None),
     # Activations.
-    ("batch", ("data", "fsdp")),
+    # `expert` too: otherwise every activation outside the expert layer is replicated over the expert
+    # axis (measured: 8x the logits per device, 149 GB of temporaries for 200M S97 on v5p-128).
+    ("batch", ("data", "fsdp", "expert")),
     ("seq", None),
     ("act_embed", None),
     ("act_heads", "tensor"),

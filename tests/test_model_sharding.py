@@ -18,7 +18,7 @@ TINY = ModelConfig(vocab=256, d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, h
 
 def test_logical_names_resolve_through_the_rules_table():
     assert sharding.logical_to_mesh(("experts", "embed", "mlp")) == P("expert", "fsdp", "tensor")
-    assert sharding.logical_to_mesh(("batch", "seq", None)) == P(("data", "fsdp"), None, None)
+    assert sharding.logical_to_mesh(("batch", "seq", None)) == P(("data", "fsdp", "expert"), None, None)
     with pytest.raises(KeyError, match="embd"):
         sharding.logical_to_mesh(("embd",))
 
@@ -39,8 +39,8 @@ def test_constrain_is_a_no_op_without_a_mesh_and_applies_with_one():
     with jax.set_mesh(mesh):
         y = jax.jit(lambda a: sharding.constrain(a * 2, ("batch", "seq", "act_embed")))(x)
     assert y.sharding.is_equivalent_to(
-        jax.sharding.NamedSharding(mesh, P(("data", "fsdp"), None, None)), 3)
-    assert next(iter(y.sharding.spec)) == ("data", "fsdp")
+        jax.sharding.NamedSharding(mesh, P(("data", "fsdp", "expert"), None, None)), 3)
+    assert next(iter(y.sharding.spec)) == ("data", "fsdp", "expert")
     np.testing.assert_array_equal(np.asarray(y), 2 * np.asarray(x))
     with pytest.raises(ValueError, match="rank"), jax.set_mesh(mesh):
         sharding.constrain(x, ("batch",))

@@ -86,8 +86,10 @@ def test_manifest_semantics():
     container = pod["containers"][0]
     assert container["command"] == ["python", "-m", "smelt_jax", "train", branch.run.id, "--branch", "5"]
     assert {"name": "SMELT_RUNS_DIR", "value": "gs://smelt-bucket/smelt/runs"} in container["env"]
-    assert pod["nodeSelector"]["cloud.google.com/gke-tpu-topology"] == "4x4x4"  # v5p-128 at 1.6b
-    assert job_spec["parallelism"] == job_spec["completions"] == 16  # 64 chips / 4 per host
+    # 1.6b S97 SMELT runs on the slice its compile report chose (experiments/layouts.json): v5p-512
+    assert branch.run.parallelism.tpu_type == "v5p-512"
+    assert pod["nodeSelector"]["cloud.google.com/gke-tpu-topology"] == "4x8x8"
+    assert job_spec["parallelism"] == job_spec["completions"] == 64  # 256 chips / 4 per host
     assert job_spec["backoffLimit"] == 0
     exit_rule = job_spec["podFailurePolicy"]["rules"][0]
     assert exit_rule["action"] == "FailJob" and exit_rule["onExitCodes"]["values"] == [42]
@@ -99,7 +101,7 @@ def test_manifest_semantics():
     pinned_pod = jobset_manifest(graph, pinned, SETTINGS)["spec"]["replicatedJobs"][0]["template"]["spec"]
     assert pinned_pod["template"]["spec"]["nodeSelector"]["cloud.google.com/gke-tpu-accelerator"] == "tpu-v6e-slice"
     assert "--tpu-type=v6e-16" in xpk_command(graph, pinned, SETTINGS)
-    assert "--tpu-type=v5p-16" in xpk_command(graph, stable, SETTINGS)
+    assert f"--tpu-type={stable.run.parallelism.tpu_type}" in xpk_command(graph, stable, SETTINGS)
 
 
 def test_every_smelt16_manifest_validates():

@@ -85,6 +85,9 @@ class MoE(nnx.Module):
         # backend's buffer bound.
         bound = b * s if capacity is None else capacity
         impl = resolve_impl(cfg.expert_impl)
+        if impl in ("pallas", "megablox") and mesh_is_set() and jax.sharding.get_abstract_mesh().size > 1:
+            # GSPMD cannot partition a Mosaic kernel; without an expert axis (above) use XLA's op.
+            impl = "ragged_dot"
         y_sorted = expert_ffn(x_sorted, self.w_gate[...], self.w_up[...], self.w_down[...],
                               group_sizes, impl=impl, capacity=bound)
         inverse = jnp.argsort(order)

@@ -7,9 +7,10 @@ the chip's HBM), per-device compiled FLOPs next to the budget's per-device share
 the program, the compiler's step-time estimate and the MFU it implies. A layout that does not fit
 comes back with `fits=False` and the compiler's message, not as an exception.
 
-Caveat, measured: XLA's cost analysis counts a `while` body once, and the decoder scans its layers,
-so compiled FLOPs (and the step-time estimate built on them) cover one layer per stack, not all;
-`flops_ratio` shows how far below the budget that is. Memory is exact.
+Caveats (docs/parallelism.md): Pallas kernels contribute only their `cost_estimate` to the compiled
+FLOPs, remat recomputation and the logits are in the program but not the budget, so `flops_ratio` is
+a consistency check; the step-time estimate (`optimal_seconds`) has come back negative for these
+programs, and then no MFU is given. Memory is the compiler's buffer assignment for the real program.
 """
 
 from __future__ import annotations
@@ -112,14 +113,23 @@ class CompileReport:
         return {**dataclasses.asdict(self), "flops_ratio": self.flops_ratio}
 
 
-# Mosaic (Pallas) kernels cannot be partitioned by GSPMD ("wrap the call in a shard_map"): until the
-# MoE layer calls its kernel inside a shard_map (smelt_jax.parallel.expert_parallel), the sharded TPU
-# program uses XLA's native grouped matmul.
+# The expert backend a TPU run uses: "auto" resolved *for the TPU platform* (Pallas), since
+# `resolve_impl("auto")` alone reads JAX's default backend, which is the CPU on this machine. Mosaic
+# (Pallas) kernels cannot be partitioned by GSPMD ("Mosaic kernels cannot be automatically
+# partitioned"), so the kernel only compiles inside the expert-parallel shard_map, which the MoE layer
+# takes when the mesh has an `expert` axis > 1; on other multi-device meshes "auto" becomes XLA's
+# partitionable grouped matmul.
 TPU_EXPERT_IMPL = "auto"
+GSPMD_EXPERT_IMPL = "ragged_dot"
 
 
-def _tpu_config(run: RunSpec, remat: str):
-    return run.model.replace(remat=remat, expert_impl=TPU_EXPERT_IMPL)
+def _tpu_config(run: RunSpec, remat: str, mesh: jax.sharding.Mesh):
+    from smelt_jax.kernels import resolve_impl
+
+    impl = run.model.expert_impl if run.model.expert_impl != "auto" else TPU_EXPERT_IMPL
+    if impl == "auto" and mesh.shape.get("expert", 1) == 1 and mesh.size > 1:
+        impl = GSPMD_EXPERT_IMPL
+    return run.model.replace(remat=remat, expert_impl=resolve_impl(impl, platform="tpu"))
 
 
 def compile_run(run: RunSpec, slice_name: str, layout: Parallelism | None = None,
@@ -131,9 +141,9 @@ def compile_run(run: RunSpec, slice_name: str, layout: Parallelism | None = None
     tpu = parse_slice(slice_name)
     layout = layout if layout is not None else run.parallelism
     remat = remat if remat is not None else layout.remat
-    cfg = _tpu_config(run, remat)
     devices = aot.tpu_topology(tpu.topology).devices
     mesh = sharding.make_mesh(layout, devices)
+    cfg = _tpu_config(run, remat, mesh)
     schedule = run.schedule
     tx = optimizer(schedule)
     plan = train_state.plan_training(cfg, tx, mesh)

@@ -40,7 +40,9 @@ def token_axes(mesh) -> tuple[str, ...]:
     `expert` (tokens must be split over the expert axis too, or its devices would repeat work)."""
     rule = dict(sharding.LOGICAL_AXIS_RULES)["batch"]
     axes = (rule,) if isinstance(rule, str) else tuple(rule or ())
-    return tuple(a for a in axes + (EXPERT_AXIS,) if mesh.shape[a] > 1) if mesh is not None else ()
+    if mesh is None:
+        return ()
+    return tuple(a for a in dict.fromkeys(axes + (EXPERT_AXIS,)) if mesh.shape[a] > 1)
 
 
 def kept_copies(expert_ids: jax.Array, n_experts: int, capacity: int | None) -> jax.Array:
@@ -127,7 +129,9 @@ def expert_parallel_moe(x: jax.Array, token_mask: jax.Array, router_weight: jax.
                                          impl=resolve_impl(impl or cfg.expert_impl)),
         mesh=mesh, in_specs=(token_spec, token_spec, token_spec, expert_spec, expert_spec,
                              expert_spec),
-        out_specs=token_spec)
+        # Pallas kernels declare output shapes without varying-manual-axes types, which check_vma
+        # rejects ("manual_axis_type ... must not be None"); the body's collectives are explicit.
+        out_specs=token_spec, check_vma=False)
     y_copies = body(tokens_p, ids_p, kept_p, *weights)[:total]
     y = jnp.einsum("tkd,tk->td", y_copies.astype(jnp.float32), routing.weights)
 

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# smelt-1p6b-s97-b5-5fb810cc: smelt16-1.6b-s97-smelt-680f7c3c b5 on v5p-128 (16 hosts); retries on preemption.
+# smelt-1p6b-s97-b5-e84ba499: smelt16-1.6b-s97-smelt-890394e9 b5 on v5p-512 (64 hosts); retries on preemption.
 # Checkpoints and results: gs://smelt-bucket/smelt/runs
 set -uo pipefail
-QR=smelt-1p6b-s97-b5-5fb810cc
+QR=smelt-1p6b-s97-b5-e84ba499
 MAX_RESTARTS=20
 POLL_SECONDS=${SMELT_POLL_SECONDS:-60}
 
@@ -20,7 +20,7 @@ ensure_active() {  # 0 once the slice is ACTIVE, 1 if it failed or was preempted
     FAILED|SUSPENDED) delete_slice ;;
   esac
   if [ "$(state)" = MISSING ]; then
-    gcloud compute tpus queued-resources create smelt-1p6b-s97-b5-5fb810cc --node-id=smelt-1p6b-s97-b5-5fb810cc --project=smelt-proj --zone=us-east5-a --accelerator-type=v5p-128 --runtime-version=v2-alpha-tpuv5 --spot || return 1
+    gcloud compute tpus queued-resources create smelt-1p6b-s97-b5-e84ba499 --node-id=smelt-1p6b-s97-b5-e84ba499 --project=smelt-proj --zone=us-east5-a --accelerator-type=v5p-512 --runtime-version=v2-alpha-tpuv5 --spot || return 1
   fi
   while true; do
     case "$(state)" in
@@ -34,7 +34,7 @@ ensure_active() {  # 0 once the slice is ACTIVE, 1 if it failed or was preempted
 attempt=0
 while true; do
   if ensure_active; then
-    gcloud compute tpus tpu-vm ssh smelt-1p6b-s97-b5-5fb810cc --project=smelt-proj --zone=us-east5-a --worker=all '--command=sudo gcloud auth configure-docker us-docker.pkg.dev --quiet && sudo docker run --rm --privileged --net=host -e SMELT_RUNS_DIR=gs://smelt-bucket/smelt/runs us-docker.pkg.dev/smelt-proj/smelt/smelt-jax:golden python -m smelt_jax train smelt16-1.6b-s97-smelt-680f7c3c --branch 5'
+    gcloud compute tpus tpu-vm ssh smelt-1p6b-s97-b5-e84ba499 --project=smelt-proj --zone=us-east5-a --worker=all '--command=sudo gcloud auth configure-docker us-docker.pkg.dev --quiet && sudo docker run --rm --privileged --net=host -e SMELT_RUNS_DIR=gs://smelt-bucket/smelt/runs us-docker.pkg.dev/smelt-proj/smelt/smelt-jax:golden python -m smelt_jax train smelt16-1.6b-s97-smelt-890394e9 --branch 5'
     rc=$?
     if [ "$rc" -eq 0 ]; then
       echo "$QR: done"

@@ -1,0 +1,258 @@
+"""Choosing a parallelism layout for every smelt16 configuration by compiling it for a TPU slice.
+
+For each configuration, `search_layout` compiles the real train step (`compile_report.compile_run`) for
+the scale's slice with an ordered list of candidate layouts and keeps the first whose peak per-device
+memory is under the chip's HBM. Every compile result is cached as one JSON file under
+data_cache/compile_report/ (key: configuration content, slice, layout, remat, CACHE_VERSION), so an
+interrupted report resumes without recompiling what it already has. `render_table` turns the cached
+results into the markdown table of docs/parallelism.md; `layouts_document` into experiments/layouts.json.
+
+Candidates all have an `expert` axis: the TPU expert backend is a Pallas kernel, which GSPMD cannot
+partition, so it only compiles inside the expert-parallel shard_map (an `expert` axis > 1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from smelt_jax.descriptors import Parallelism, RunSpec, content_hash
+from smelt_jax.parallel.compile_report import CompileReport, parse_slice
+from smelt_jax.parallel.layout import layout_key
+
+# Bump when the compiled program or the report's fields change: older cache files are then ignored.
+CACHE_VERSION = 1
+CACHE_DIR = Path(__file__).resolve().parents[2] / "data_cache" / "compile_report"
+
+# Both members of a matched pair always share a slice. v5p-128 (64 chips, 95 GiB HBM each) for 100M,
+# 200M and 600M. 1.6B: the S97 Baseline (54B parameters) compiled on v5p-128 with remat full at
+# 10.3 GiB of arguments + 85.6 GiB of temporaries per chip (over HBM_HEADROOM) and fit v5p-256
+# (5.1 + 42.9 GiB), but the S97 SMELT model needed 143 GB of temporaries there, so 1.6B gets v5p-512.
+SCALE_SLICES = {"100m": "v5p-128", "200m": "v5p-128", "600m": "v5p-128", "1.6b": "v5p-512"}
+# A layout fits when the compiler accepts it, its peak is under HBM, and arguments + temporaries (a
+# bound that ignores their live-range overlap, so above the compiler's peak) stay under this share of
+# HBM: the runtime needs some HBM too, and the compiler's peak came out *below* its temporaries alone.
+HBM_HEADROOM = 0.95
+EXPERT_AXIS_SIZES = (8,)  # divides every smelt16 expert count (8, 64, 192, 336; 16, 96, 288, 504)
+REMAT_ORDER = ("none", "dots", "full")  # fastest first: the first that fits wins
+# The acceptance pairs first (200M and 1.6B at S~97%), then the grid in suite order.
+PRIORITY = ("200m/s97/baseline", "200m/s97/smelt", "1.6b/s97/baseline", "1.6b/s97/smelt")
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    layout: Parallelism  # with tpu_type and remat set
+
+    @property
+    def label(self) -> str:
+        p = self.layout
+        return f"data={p.data},fsdp={p.fsdp},expert={p.expert},tensor={p.tensor},remat={p.remat}"
+
+
+def fits(report: CompileReport) -> bool:
+    """Compiler accepted, peak under HBM, and arguments + temporaries under HBM_HEADROOM x HBM."""
+    if not report.fits or report.hbm_bytes is None:
+        return False
+    total = (report.argument_bytes or 0) + (report.temp_bytes or 0)
+    return total <= HBM_HEADROOM * report.hbm_bytes
+
+
+def run_key(run: RunSpec) -> str:
+    return layout_key(run.scale, run.sparsity_label, run.arch)
+
+
+def candidates(run: RunSpec, slice_name: str) -> list[Candidate]:
+    """Ordered candidate layouts for `run` on `slice_name`: expert over 8, fsdp over the largest share of
+    the rest that divides d_model, data over what is left; remat none -> dots -> full. Expert sizes that
+    do not divide the expert count or the chip count are skipped.
+
+    fsdp must divide d_model (the `embed` dimension it shards): otherwise `fit_spec` replicates every
+    weight over fsdp (measured: 1.6B S97 SMELT, d 1848, needed 133-143 GB per chip at fsdp 16 and 32).
+    """
+    chips = parse_slice(slice_name).chips
+    out = []
+    for expert in EXPERT_AXIS_SIZES:
+        if run.model.n_experts % expert or chips % expert:
+            continue
+        rest = chips // expert
+        fsdp = max(f for f in range(1, rest + 1) if rest % f == 0 and run.model.d_model % f == 0)
+        for remat in REMAT_ORDER:
+            out.append(Candidate(Parallelism(data=rest // fsdp, fsdp=fsdp, expert=expert, tensor=1,
+                                             tpu_type=slice_name, remat=remat)))
+    if not out:
+        raise ValueError(f"{run.id}: no candidate layout for {run.model.n_experts} experts on {slice_name}")
+    return out
+
+
+def cache_path(run: RunSpec, candidate: Candidate, cache_dir: Path = CACHE_DIR) -> Path:
+    """One file per (configuration content, layout): independent of the run's own parallelism field,
+    so run ids that change when layouts are written into the descriptors still hit the cache."""
+    digest = content_hash({"version": CACHE_VERSION, "model": run.model.to_dict(),
+                           "schedule": run.schedule.to_dict(), "layout": candidate.layout.to_dict()})
+    return Path(cache_dir) / f"{run_key(run).replace('/', '_')}__{digest}.json"
+
+
+def _report_from_dict(data: dict[str, Any]) -> CompileReport:
+    fields = {f.name for f in dataclasses.fields(CompileReport)}
+    return CompileReport(**{k: v for k, v in data.items() if k in fields})
+
+
+def compile_cached(run: RunSpec, candidate: Candidate, compile_fn: Callable[..., CompileReport],
+                   cache_dir: Path = CACHE_DIR) -> tuple[CompileReport, bool]:
+    """(report, from_cache) for one candidate; compiles and writes the cache file when missing."""
+    path = cache_path(run, candidate, cache_dir)
+    if path.exists():
+        return _report_from_dict(json.loads(path.read_text())["report"]), True
+    layout = candidate.layout
+    report = compile_fn(run, layout.tpu_type, layout, remat=layout.remat)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"key": run_key(run), "candidate": candidate.layout.to_dict(),
+                               "report": report.as_dict()}, indent=1, sort_keys=True))
+    tmp.replace(path)  # atomic: an interrupted write leaves no half file behind
+    return report, False
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchResult:
+    key: str
+    run_id: str
+    slice: str
+    chosen: Parallelism | None  # None: nothing fitted, or not (fully) compiled
+    report: CompileReport | None  # the chosen layout's report, else the last one tried
+    tried: tuple[tuple[str, str], ...]  # (candidate label, outcome) in order
+    status: str  # "fits" | "does not fit" | "not compiled (...)"
+
+
+def search_layout(run: RunSpec, compile_fn: Callable[..., CompileReport], *, cache_dir: Path = CACHE_DIR,
+                  skip_reason: str | None = None, log: Callable[[str], None] = lambda line: None
+                  ) -> SearchResult:
+    """Try `candidates(run, slice)` in order and keep the first that fits (cached results reused).
+
+    With a `skip_reason` nothing is compiled: only cached results are used, and a candidate without
+    one stops the search with status 'not compiled (skip_reason)'.
+    """
+    slice_name = SCALE_SLICES[run.scale]
+    tried: list[tuple[str, str]] = []
+    last = None
+    for candidate in candidates(run, slice_name):
+        if skip_reason is not None and not cache_path(run, candidate, cache_dir).exists():
+            return SearchResult(run_key(run), run.id, slice_name, None, last, tuple(tried),
+                                f"not compiled ({skip_reason})")
+        start = time.perf_counter()
+        report, cached = compile_cached(run, candidate, compile_fn, cache_dir)
+        outcome = ("fits" if fits(report) else "out of memory" if not report.fits else
+                   f"over {HBM_HEADROOM:.0%} of HBM") + (
+            " (cached)" if cached else f" ({time.perf_counter() - start:.0f} s)")
+        log(f"  {run_key(run)} {candidate.label}: {outcome}")
+        tried.append((candidate.label, outcome))
+        last = report
+        if fits(report):
+            return SearchResult(run_key(run), run.id, slice_name, candidate.layout, report, tuple(tried),
+                                "fits")
+    return SearchResult(run_key(run), run.id, slice_name, None, last, tuple(tried), "does not fit")
+
+
+def ordered(runs: Iterable[RunSpec]) -> list[RunSpec]:
+    """The PRIORITY configurations first, then the rest in their given order."""
+    runs = list(runs)
+    rank = {key: i for i, key in enumerate(PRIORITY)}
+    return sorted(runs, key=lambda r: (rank.get(run_key(r), len(rank)), runs.index(r)))
+
+
+def layouts_document(results: Iterable[SearchResult], suite: str) -> str:
+    """experiments/layouts.json text: {'suite', 'layouts': {key: Parallelism fields}} for the fitting
+    configurations, keys and fields sorted (byte-identical for the same results)."""
+    layouts = {r.key: r.chosen.to_dict() for r in results if r.chosen is not None}
+    return json.dumps({"suite": suite, "layouts": dict(sorted(layouts.items()))},
+                      indent=1, sort_keys=True) + "\n"
+
+
+def _gib(value: float | None) -> str:
+    return "?" if value is None else f"{value / 2**30:.1f}"
+
+
+def _collectives(counts: dict[str, int]) -> str:
+    short = {"all-reduce": "AR", "all-gather": "AG", "reduce-scatter": "RS", "all-to-all": "A2A",
+             "ragged-all-to-all": "rA2A", "collective-permute": "CP"}
+    return " ".join(f"{short[k]} {v}" for k, v in sorted(counts.items())) or "none"
+
+
+def step_estimate(report: CompileReport) -> tuple[str, str]:
+    """(step-time cell, MFU cell). The compiler's `optimal_seconds` when positive; otherwise n/a."""
+    if report.optimal_seconds is not None and report.optimal_seconds > 0 and report.mfu is not None:
+        return f"{report.optimal_seconds:.2f} s", f"{100 * report.mfu:.0f}%"
+    shown = "none" if report.optimal_seconds is None else f"{report.optimal_seconds:.3g}"
+    return f"n/a ({shown})", "n/a"
+
+
+def flop_floor_seconds(report: CompileReport) -> float | None:
+    """Compiled per-device FLOPs at the chip's dense bf16 peak: a lower bound on the step time."""
+    if not report.compiled_flops:
+        return None
+    return report.compiled_flops / parse_slice(report.slice).peak_flops
+
+
+TABLE_HEADER = (
+    "| config | slice | layout (data x fsdp x expert x tensor) | remat | args GiB | temps GiB | out GiB "
+    "| args+temps / peak / HBM GiB | compiled / budget TFLOP per device | FLOP floor s | compiler step est. | MFU "
+    "| collectives | compile s |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+
+
+def table_row(result: SearchResult) -> str:
+    name = f"{result.key}"
+    if result.status != "fits" or result.report is None:
+        reason = result.status
+        if result.status == "does not fit" and result.report is not None:
+            r = result.report
+            over = (f"arguments + temporaries {_gib((r.argument_bytes or 0) + (r.temp_bytes or 0))} GiB "
+                    f"> {HBM_HEADROOM:.0%} of HBM")
+            reason = f"does not fit: {(r.error or over)[:120]}"
+        return f"| {name} | {result.slice} | {reason} |" + " |" * 11
+    r = result.report
+    lay = r.layout
+    step, mfu = step_estimate(r)
+    floor = flop_floor_seconds(r)
+    ratio = r.flops_ratio
+    flops = (f"{(r.compiled_flops or 0) / 1e12:.1f} / {(r.budget_flops or 0) / 1e12:.1f}"
+             + (f" (x{ratio:.2f})" if ratio else ""))
+    return (f"| {name} | {r.slice} | {lay['data']} x {lay['fsdp']} x {lay['expert']} x {lay['tensor']} "
+            f"| {r.remat} | {_gib(r.argument_bytes)} | {_gib(r.temp_bytes)} | {_gib(r.output_bytes)} "
+            f"| {_gib((r.argument_bytes or 0) + (r.temp_bytes or 0))} / {_gib(r.peak_bytes)} / "
+            f"{_gib(r.hbm_bytes)} | {flops} | "
+            f"{'?' if floor is None else f'{floor:.2f}'} | {step} | {mfu} | {_collectives(r.collectives)} "
+            f"| {r.compile_seconds:.0f} |")
+
+
+def render_table(results: Iterable[SearchResult], command: str) -> str:
+    results = list(results)
+    fitted = sum(r.status == "fits" for r in results)
+    intro = (f"Generated by `{command}` (`make compile-report`): {fitted} of {len(results)} "
+             "configurations compiled and fit. Per-device numbers from the TPU compiler "
+             "(compiled, never run). 'FLOP floor' = compiled FLOPs / chip peak (459 TFLOP/s bf16 on "
+             "v5p): indicative only (see the FLOPs caveat), not a measurement. 'compiler step est.' is XLA's "
+             "`optimal_seconds` with the MFU it implies (budget FLOPs / (estimate x peak)); n/a with the "
+             "raw value when it is not positive. Fit = compiler accepted, peak < HBM, and arguments + "
+             f"temporaries <= {HBM_HEADROOM:.0%} of HBM.")
+    lines = [intro, "", TABLE_HEADER]
+    lines += [table_row(r) for r in results]
+    return "\n".join(lines) + "\n"
+
+
+BEGIN = "<!-- compile-report:begin (generated; edit smelt_jax/parallel/layout_search.py instead) -->"
+END = "<!-- compile-report:end -->"
+
+
+def replace_generated(doc: str, generated: str) -> str:
+    """`doc` with the text between BEGIN and END replaced (both appended at the end when absent)."""
+    block = f"{BEGIN}\n{generated}{END}"
+    if BEGIN in doc and END in doc:
+        head, rest = doc.split(BEGIN, 1)
+        _, tail = rest.split(END, 1)
+        return head + block + tail
+    return doc.rstrip("\n") + "\n\n" + block + "\n"

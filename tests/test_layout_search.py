@@ -1,0 +1,159 @@
+"""Layout search for the compile report (with a stand-in compiler), experiments/layouts.json, and the
+slow acceptance check: the smelt16 200M and 1.6B S~97% pairs compile for their chosen TPU slices."""
+
+import dataclasses
+import json
+
+import pytest
+
+import experiments
+from smelt_jax import aot, sharding
+from smelt_jax.descriptors import Parallelism
+from smelt_jax.parallel import compile_report as cr
+from smelt_jax.parallel import layout_search as ls
+from smelt_jax.parallel.layout import LAYOUTS_FILE, layout_key, load_layouts
+
+SMELT16 = experiments.load_suite("smelt16")
+
+
+def _run(key):
+    return next(r for r in SMELT16 if ls.run_key(r) == key)
+
+
+def _fake_compiler(fits_when, calls):
+    """A compile_run stand-in: fits when `fits_when(layout)`; records every call."""
+    def compile_fn(run, slice_name, layout, remat):
+        calls.append((run.id, layout.remat))
+        fits = fits_when(layout)
+        return cr.CompileReport(
+            run_id=run.id, slice=slice_name, layout={"data": layout.data, "fsdp": layout.fsdp,
+                                                     "expert": layout.expert, "tensor": layout.tensor},
+            remat=remat, expert_impl="pallas", fits=fits,
+            error=None if fits else "RESOURCE_EXHAUSTED: exceeds available HBM", compile_seconds=1.0,
+            argument_bytes=2**30, output_bytes=2**30, temp_bytes=3 * 2**30,
+            peak_bytes=4 * 2**30 if fits else None, hbm_bytes=95 * 2**30, compiled_flops=3e13,
+            budget_flops=2e13, optimal_seconds=-1.0, collectives={"all-to-all": 8})
+    return compile_fn
+
+
+def test_candidates_split_experts_evenly_and_fill_the_slice():
+    for run in SMELT16:
+        slice_name = ls.SCALE_SLICES[run.scale]
+        chips = cr.parse_slice(slice_name).chips
+        cands = ls.candidates(run, slice_name)
+        assert [c.layout.remat for c in cands] == list(ls.REMAT_ORDER)
+        for c in cands:
+            p = c.layout
+            assert run.model.n_experts % p.expert == 0 and p.expert > 1  # Pallas needs the shard_map path
+            assert run.model.d_model % p.fsdp == 0  # else fit_spec replicates weights over fsdp
+            assert sharding.mesh_shape(p, chips) == (p.data, p.fsdp, p.expert, p.tensor)
+            assert p.tpu_type == slice_name
+
+
+def test_search_keeps_the_first_fitting_candidate_and_resumes_from_the_cache(tmp_path):
+    run = _run("200m/s97/smelt")
+    calls = []
+    compile_fn = _fake_compiler(lambda p: p.remat == "full", calls)
+    first = ls.search_layout(run, compile_fn, cache_dir=tmp_path)
+    assert first.status == "fits" and first.chosen.remat == "full"
+    assert [remat for _, remat in calls] == ["none", "dots", "full"]
+    assert [outcome.split(" ")[0] for _, outcome in first.tried] == ["out", "out", "fits"]
+    # A second report run compiles nothing and gives the same answer.
+    again = ls.search_layout(run, compile_fn, cache_dir=tmp_path)
+    assert len(calls) == 3 and again.chosen == first.chosen and again.report == first.report
+    assert all(outcome.endswith("(cached)") for _, outcome in again.tried)
+
+
+def test_a_layout_the_compiler_accepts_but_without_headroom_is_not_chosen(tmp_path):
+    run = _run("1.6b/s97/smelt")
+    base = _fake_compiler(lambda p: True, [])
+
+    def tight(run, slice_name, layout, remat):  # accepted, peak under HBM, args + temps at 96% of HBM
+        r = base(run, slice_name, layout, remat)
+        temps = int(0.96 * r.hbm_bytes) - r.argument_bytes if remat != "full" else r.temp_bytes
+        return dataclasses.replace(r, temp_bytes=temps)
+
+    result = ls.search_layout(run, tight, cache_dir=tmp_path)
+    assert result.chosen.remat == "full"
+    assert [o.split(" (")[0] for _, o in result.tried] == ["over 95% of HBM", "over 95% of HBM", "fits"]
+
+
+def test_skipped_configurations_are_reported_without_numbers(tmp_path):
+    run = _run("1.6b/s97/baseline")
+    calls = []
+    result = ls.search_layout(run, _fake_compiler(lambda p: True, calls), cache_dir=tmp_path,
+                              skip_reason="time budget of 10 s spent")
+    assert calls == [] and result.chosen is None
+    assert result.status == "not compiled (time budget of 10 s spent)"
+    row = ls.table_row(result)
+    assert "not compiled (time budget of 10 s spent)" in row and "GiB" not in row
+    assert not any(ch.isdigit() for ch in row.split("|")[4])  # no invented memory figure
+    nofit = ls.search_layout(run, _fake_compiler(lambda p: False, []), cache_dir=tmp_path)
+    assert nofit.status == "does not fit" and "RESOURCE_EXHAUSTED" in ls.table_row(nofit)
+
+
+def test_table_and_layouts_file_are_deterministic(tmp_path):
+    runs = [_run("200m/s97/smelt"), _run("100m/s0/baseline")]
+    results = [ls.search_layout(r, _fake_compiler(lambda p: p.remat == "dots", []), cache_dir=tmp_path)
+               for r in runs]
+    doc = ls.layouts_document(results, "smelt16")
+    assert doc == ls.layouts_document(list(reversed(results)), "smelt16")
+    data = json.loads(doc)
+    assert list(data["layouts"]) == sorted(data["layouts"]) == ["100m/s0/baseline", "200m/s97/smelt"]
+    table = ls.render_table(results, "smelt compile-report")
+    assert "n/a (-1)" in table and "x1.50" in table  # negative estimate shown raw; 3e13 / 2e13
+    doc_md = ls.replace_generated("# P\n\ntext\n", table)
+    assert ls.replace_generated(doc_md, table) == doc_md and doc_md.startswith("# P\n\ntext\n")
+
+
+def test_committed_layouts_are_valid_parallelism_for_their_slice():
+    layouts = load_layouts()
+    if not LAYOUTS_FILE.exists():
+        pytest.fail(f"{LAYOUTS_FILE} missing: run `make compile-report`")
+    raw = json.loads(LAYOUTS_FILE.read_text())
+    assert raw["suite"] == "smelt16" and layouts
+    keys = {layout_key(r.scale, r.sparsity_label, r.arch): r for r in SMELT16}
+    for key, layout in layouts.items():
+        assert key in keys, key
+        assert set(raw["layouts"][key]) == set(Parallelism.__dataclass_fields__)
+        tpu = cr.parse_slice(layout.tpu_type)
+        assert layout.remat in ("none", "full", "dots", "dots_no_batch")
+        assert keys[key].model.n_experts % layout.expert == 0
+        assert keys[key].model.d_model % layout.fsdp == 0
+        shape = sharding.mesh_shape(layout, tpu.chips)
+        assert shape[0] * shape[1] * shape[2] * shape[3] == tpu.chips
+    # make_mesh accepts every layout over its slice's (compile-only) TPU devices.
+    available, reason = aot.libtpu_status()
+    if not available:
+        pytest.skip(f"mesh shapes checked; make_mesh over TPU devices needs libtpu: {reason}")
+    for layout in layouts.values():
+        tpu = cr.parse_slice(layout.tpu_type)
+        mesh = sharding.make_mesh(layout, aot.tpu_topology(tpu.topology).devices)
+        assert mesh.size == tpu.chips and mesh.shape["expert"] == layout.expert
+
+
+@pytest.mark.slow
+@pytest.mark.tpu
+@pytest.mark.parametrize("key", ["200m/s97/baseline", "200m/s97/smelt",
+                                 "1.6b/s97/baseline", "1.6b/s97/smelt"])
+def test_acceptance_pairs_compile_for_their_chosen_slices(key):
+    available, reason = aot.libtpu_status()
+    if not available:
+        pytest.skip(reason)
+    layout = load_layouts().get(key)
+    assert layout is not None, f"{key} has no layout in {LAYOUTS_FILE}"
+    report = cr.compile_run(_run(key), layout.tpu_type, layout)
+    print(cr.format_report(report))
+    assert report.fits and report.error is None and ls.fits(report)
+    assert 0 < report.peak_bytes < report.hbm_bytes
+    assert report.argument_bytes + report.temp_bytes <= ls.HBM_HEADROOM * report.hbm_bytes
+    assert report.collectives.get("all-to-all", 0) > 0  # experts exchanged over the expert axis
+
+
+def test_tpu_expert_backend_is_pallas_only_where_the_shard_map_path_runs():
+    run = _run("200m/s97/smelt")
+    with_experts = sharding.make_mesh(Parallelism(data=1, fsdp=-1, expert=2))
+    without = sharding.make_mesh(Parallelism(data=2, fsdp=-1, expert=1))
+    assert cr._tpu_config(run, "full", with_experts).expert_impl == "pallas"
+    assert cr._tpu_config(run, "full", without).expert_impl == "ragged_dot"  # GSPMD must partition it
+    assert cr._tpu_config(run, "dots", with_experts).remat == "dots"
