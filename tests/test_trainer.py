@@ -130,3 +130,52 @@ def test_truncated_checkpoint_is_skipped_on_resume(tmp_path, corpus):
              .read_text().splitlines()]
     # resumed from step 4: steps 5.. were logged twice, once before and once after the resume
     assert [x["step"] for x in lines].count(5) == 2
+
+
+SIGTERM_SCRIPT = """
+import sys
+from pathlib import Path
+sys.path.insert(0, {repo!r})
+from smelt_jax.train.trainer import PREEMPTED_EXIT_CODE, Preempted, TrainOptions, train
+from smelt_jax.data.corpus import Corpus
+from tests.test_trainer import OPTIONS, _run
+import dataclasses
+run = _run().__class__(**{{**_run().__dict__, "schedule": _run().schedule.replace(
+    stable_steps=400, fork_steps=(400,))}})
+try:
+    train(run, root=Path({root!r}), corpus=Corpus({corpus!r}),
+          options=dataclasses.replace(OPTIONS, checkpoint_every=1000))
+except Preempted:
+    sys.exit(PREEMPTED_EXIT_CODE)
+"""
+
+
+def test_sigterm_saves_and_exits_42(tmp_path, corpus):
+    """A real process: SIGTERM mid-run -> a checkpoint at the current step and exit code 42."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    repo = str(Path(__file__).resolve().parents[1])
+    script = SIGTERM_SCRIPT.format(repo=repo, root=str(tmp_path), corpus=str(corpus.folder))
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=repo, env={**os.environ},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = None
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        found = list(tmp_path.glob("unit/*/stable/metrics.jsonl"))
+        if found and found[0].read_text().count("\n") >= 3:  # training is under way
+            metrics = found[0]
+            break
+        time.sleep(0.2)
+    assert metrics is not None, proc.communicate()[0][-2000:]
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 42, output[-2000:]
+    steps = committed_steps(metrics.parent / "checkpoints")
+    logged = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    assert len(steps) == 1 and steps[0] >= 3 and steps[0] < 400  # saved where it stopped, not at a schedule point
+    assert steps[0] == max(logged)
