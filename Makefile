@@ -43,7 +43,7 @@ bench: $(STAMP)  ## benchmarks (medians, side by side); tables in benchmarks/REA
 	$(PY) -m benchmarks.run
 
 lint: $(STAMP)  ## ruff
-	$(VENV)/bin/ruff check --line-length 140 --select E,F,W,B --ignore B905,B008,E731,E402 smelt_jax tests benchmarks experiments
+	$(VENV)/bin/ruff check .
 
 fits: $(STAMP)  ## regenerate every fit, table and figure under fits/
 	$(PY) -m smelt_jax fits-all

@@ -1,3 +1,6 @@
+import itertools
+import math
+
 import pytest
 
 from smelt_jax.config import Schedule
@@ -13,9 +16,9 @@ def test_warmup_stable_and_decay_shapes():
     assert learning_rate(SCHED, 50) == 1.0
     # branch 0 forks at 20: cosine over steps 20..29, ending on the floor
     decay = [learning_rate(SCHED, s, branch=0) for s in range(20, 30)]
-    assert all(a > b for a, b in zip(decay, decay[1:]))
+    assert all(a > b for a, b in itertools.pairwise(decay))
     assert decay[-1] == pytest.approx(0.1)
-    assert decay[4] == pytest.approx(0.1 + 0.45 * (1 + __import__("math").cos(__import__("math").pi / 2)))
+    assert decay[4] == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi / 2)))  # halfway: the mean
 
 
 def test_phase_bounds():
