@@ -22,6 +22,8 @@ from typing import Any
 
 import jax
 
+from smelt_jax.parallel.program_flops import program_flops
+
 
 class TpuCompileError(RuntimeError):
     """The TPU compiler rejected a program (any reason other than running out of memory)."""
@@ -49,9 +51,11 @@ class CompileSummary:
     output_bytes: int | None
     temp_bytes: int | None
     peak_bytes: int | None
-    flops: float | None
+    flops: float | None  # XLA's count: a `while` (scan) body counted once
     bytes_accessed: float | None
     optimal_seconds: float | None
+    # Whole program, all devices, loops x trip count, by primitive kind (`parallel.program_flops`).
+    program_flops: dict[str, float] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -141,7 +145,8 @@ def compile_for_tpu(
     start = time.perf_counter()
     try:
         with jax.set_mesh(mesh):
-            compiled = jax.jit(fn, **jit_kwargs).lower(*abstract_args).compile()
+            traced = jax.jit(fn, **jit_kwargs).trace(*abstract_args)
+            compiled = traced.lower().compile()
     except Exception as err:
         message = str(err)
         lowered = message.lower()
@@ -173,5 +178,6 @@ def compile_for_tpu(
         flops=cost_field("flops"),
         bytes_accessed=cost_field("bytes accessed"),
         optimal_seconds=cost_field("optimal_seconds"),
+        program_flops=program_flops(traced.jaxpr).by_kind,
     )
     return compiled, summary

@@ -170,6 +170,27 @@ def test_padding_and_tiling_do_not_change_results():
     assert _max_err(small, padded) <= 1e-5
 
 
+def test_lane_tiles_are_chosen_to_pad_least():
+    from smelt_jax.kernels.gmm import effective_tiling, fit_lane_tile
+
+    assert fit_lane_tile(300, 512) == 300  # fits one tile: the whole dimension
+    assert fit_lane_tile(1024, 512) == 512
+    assert fit_lane_tile(672, 512) == 384  # 768, not 1024 with 512-wide tiles
+    assert fit_lane_tile(544, 512) == 128  # 640
+    assert fit_lane_tile(1848, 512) == 384  # 1920 (2048 with 512)
+    assert fit_lane_tile(2304, 512) == 384  # 2304 exactly
+    assert effective_tiling(70, 672, 544, (512, 512, 512)) == (80, 384, 128)
+
+
+def test_a_tile_smaller_than_requested_gives_the_same_result():
+    m, k, n = 50, 384, 384  # with tk = tn = 256 requested, 128-wide tiles pad nothing (256 would pad to 512)
+    sizes = jnp.asarray([20, 0, 30], jnp.int32)
+    lhs, rhs = _rng_arrays(5, [(m, k), (3, k, n)], jnp.float32)
+    out = gmm(lhs, rhs, sizes, tiling=(16, 256, 256), interpret=True)
+    ref = jax.lax.ragged_dot(lhs, rhs, sizes)
+    assert _max_err(out[:50], ref[:50]) <= ABS_TOL[jnp.float32] * _scale(ref)
+
+
 def test_bad_inputs_raise_clear_errors():
     lhs = jnp.zeros((8, 16), jnp.float32)
     rhs = jnp.zeros((2, 16, 32), jnp.float32)

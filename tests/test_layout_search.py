@@ -22,7 +22,7 @@ def _run(key):
 
 def _fake_compiler(fits_when, calls):
     """A compile_run stand-in: fits when `fits_when(layout)`; records every call."""
-    def compile_fn(run, slice_name, layout, remat):
+    def compile_fn(run, slice_name, layout, remat, hlo_path=None):
         calls.append((run.id, layout.remat))
         fits = fits_when(layout)
         return cr.CompileReport(
@@ -68,7 +68,7 @@ def test_a_layout_the_compiler_accepts_but_without_headroom_is_not_chosen(tmp_pa
     run = _run("1.6b/s97/smelt")
     base = _fake_compiler(lambda p: True, [])
 
-    def tight(run, slice_name, layout, remat):  # accepted, peak under HBM, args + temps at 96% of HBM
+    def tight(run, slice_name, layout, remat, hlo_path=None):  # accepted, peak under HBM, args + temps at 96% of HBM
         r = base(run, slice_name, layout, remat)
         temps = int(0.96 * r.hbm_bytes) - r.argument_bytes if remat != "full" else r.temp_bytes
         return dataclasses.replace(r, temp_bytes=temps)
@@ -101,9 +101,36 @@ def test_table_and_layouts_file_are_deterministic(tmp_path):
     data = json.loads(doc)
     assert list(data["layouts"]) == sorted(data["layouts"]) == ["100m/s0/baseline", "200m/s97/smelt"]
     table = ls.render_table(results, "smelt compile-report")
-    assert "n/a (-1)" in table and "x1.50" in table  # negative estimate shown raw; 3e13 / 2e13
+    assert "30.0 (x1.50)" in table  # XLA's count: 3e13 / 2e13
+    row = table.splitlines()[-1].split("|")
+    assert row[-4].strip() == "?" and row[-3].strip() == "?"  # no program FLOPs yet: no step, no MFU
     doc_md = ls.replace_generated("# P\n\ntext\n", table)
     assert ls.replace_generated(doc_md, table) == doc_md and doc_md.startswith("# P\n\ntext\n")
+
+
+def test_cached_reports_get_program_flops_and_collectives_once(tmp_path):
+    from smelt_jax.parallel.compile_report import write_hlo
+    from smelt_jax.parallel.program_flops import ProgramFlops
+    from tests.test_program_costs import SYNTHETIC_HLO
+
+    run = _run("200m/s97/smelt")
+    result = ls.search_layout(run, _fake_compiler(lambda p: p.remat == "full", []), cache_dir=tmp_path)
+    path = ls.cache_path(run, ls.Candidate(result.chosen), tmp_path)
+    write_hlo(ls.hlo_path(path), SYNTHETIC_HLO)
+    traced = []
+
+    def trace_fn(run_, slice_name, layout, remat):
+        traced.append(remat)
+        return ProgramFlops(64 * 40e12, {"dot_general": 64 * 40e12}, 0, 0), 1.0
+
+    done = ls.complete_analysis(run, result, trace_fn, tmp_path)
+    assert traced == ["full"] and done.report.program_flops == 40e12
+    assert done.report.executed_collectives == {"all-gather": 12, "all-reduce": 12, "all-to-all": 1}
+    assert done.report.mfu == pytest.approx(20e12 / 40e12)  # compute-bound: budget / program
+    again = ls.search_layout(run, _fake_compiler(lambda p: True, []), cache_dir=tmp_path)
+    assert again.report.program_flops == 40e12  # written back to the cache
+    assert ls.complete_analysis(run, again, trace_fn, tmp_path).report == again.report and traced == ["full"]
+    assert "40.0 (x2.00)" in ls.table_row(done) and "50%" in ls.table_row(done)
 
 
 def test_committed_layouts_are_valid_parallelism_for_their_slice():

@@ -47,7 +47,7 @@ def cmd_compile_report(args) -> int:
     import experiments
     from smelt_jax import aot
     from smelt_jax.parallel import layout_search as ls
-    from smelt_jax.parallel.compile_report import compile_run
+    from smelt_jax.parallel.compile_report import compile_run, trace_program_flops
 
     available, reason = aot.libtpu_status()
     runs = ls.ordered(experiments.load_suite(args.suite))
@@ -74,6 +74,8 @@ def cmd_compile_report(args) -> int:
         log(f"[{i}/{len(runs)}] {key} on {ls.SCALE_SLICES[run.scale]} "
             f"({time.perf_counter() - start:.0f} s elapsed)" + (f": cached results only ({skip})" if skip else ""))
         result = ls.search_layout(run, compile_run, cache_dir=cache_dir, skip_reason=skip, log=log)
+        if available:  # program FLOPs and collectives for reports cached before they were recorded
+            result = ls.complete_analysis(run, result, trace_program_flops, cache_dir)
         log(f"  -> {result.status}")
         results[key] = result
     in_order = [results[ls.run_key(r)] for r in experiments.load_suite(args.suite)]

@@ -103,8 +103,15 @@ def fit_row_tile(m: int, tm: int) -> int:
 
 
 def fit_lane_tile(dim: int, tile: int) -> int:
-    """Tile actually used along k or n: the whole dimension when it fits in one tile, else `tile`."""
-    return min(dim, tile)
+    """Tile actually used along k or n: the whole dimension when it fits in one tile; otherwise the
+    multiple of LANE_ALIGN up to `tile` that pads `dim` least (the largest such tile on a tie).
+
+    Operands are zero-padded to a multiple of the tile and the padding is computed like real work:
+    d_model 672 with 512-wide tiles pads to 1024 (x1.52), with 384-wide ones to 768 (x1.14)."""
+    if dim <= tile:
+        return dim
+    candidates = range(LANE_ALIGN, max(tile, LANE_ALIGN) + 1, LANE_ALIGN)
+    return min(candidates, key=lambda t: (_round_up(dim, t), -t))
 
 
 def pad_to(x: jax.Array, shape: Sequence[int]) -> jax.Array:

@@ -3,19 +3,24 @@
 `compile_run(run, "v5p-128", layout)` builds the slice's compile-only devices (`smelt_jax.aot`), a
 mesh over them from the layout, and compiles `train_step(params, opt_state, batch, lr)` with the
 shardings the trainer uses. The report: per-device memory (arguments, temporaries, outputs, peak vs
-the chip's HBM), per-device compiled FLOPs next to the budget's per-device share, the collectives in
-the program, the compiler's step-time estimate and the MFU it implies. A layout that does not fit
-comes back with `fits=False` and the compiler's message, not as an exception.
+the chip's HBM), per-device FLOPs (the compiler's count, the program's count with loops unrolled, and
+the budget's share), the collectives the program executes and the bytes they move, and a step-time
+estimate with the MFU it implies. A layout that does not fit comes back with `fits=False` and the
+compiler's message, not as an exception.
 
-Caveats (docs/parallelism.md): Pallas kernels contribute only their `cost_estimate` to the compiled
-FLOPs, remat recomputation and the logits are in the program but not the budget, so `flops_ratio` is
-a consistency check; the step-time estimate (`optimal_seconds`) has come back negative for these
-programs, and then no MFU is given. Memory is the compiler's buffer assignment for the real program.
+Why not the compiler's own step time: XLA's `optimal_seconds` counts each `while` body once (the
+decoder scans its layers) and adds -1 for every SparseCore offload, so it came back negative for every
+train step (docs/parallelism.md, "What the numbers mean"). The estimate here is a roofline from the
+compiled program: max(program FLOPs / chip peak, bytes sent by the executed collectives / ICI
+bandwidth), a lower bound on the step time (so the MFU is an upper bound): it assumes every matmul
+runs at peak and communication overlaps compute.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import gzip
+import os
 import re
 import time
 from typing import Any
@@ -25,13 +30,18 @@ import jax
 from smelt_jax import aot, sharding
 from smelt_jax import budget as budget_lib
 from smelt_jax.descriptors import Parallelism, RunSpec
+from smelt_jax.parallel.expert_parallel import buffer_fill
+from smelt_jax.parallel.hlo_stats import hlo_stats
+from smelt_jax.parallel.program_flops import ProgramFlops, program_flops
 
-# Per chip: HBM bytes and dense bf16 peak FLOP/s (vendor data sheets).
+# Per chip: HBM bytes, dense bf16 peak FLOP/s and inter-chip interconnect bandwidth in bytes/s (the
+# Cloud TPU system-architecture pages: "Interchip Interconnect BW" 2400/1600/4800/3584 Gbps; v5p's page
+# also gives it as 1200 GB/s bidirectional). Egress per chip is what a collective's sends share.
 CHIPS = {
-    "v4": {"hbm": 32 * 2**30, "peak": 275e12, "cores_per_chip": 2},
-    "v5e": {"hbm": 16 * 2**30, "peak": 197e12, "cores_per_chip": 1},
-    "v5p": {"hbm": 95 * 2**30, "peak": 459e12, "cores_per_chip": 2},
-    "v6e": {"hbm": 32 * 2**30, "peak": 918e12, "cores_per_chip": 1},
+    "v4": {"hbm": 32 * 2**30, "peak": 275e12, "ici": 2400e9 / 8, "cores_per_chip": 2},
+    "v5e": {"hbm": 16 * 2**30, "peak": 197e12, "ici": 1600e9 / 8, "cores_per_chip": 1},
+    "v5p": {"hbm": 95 * 2**30, "peak": 459e12, "ici": 4800e9 / 8, "cores_per_chip": 2},
+    "v6e": {"hbm": 32 * 2**30, "peak": 918e12, "ici": 3584e9 / 8, "cores_per_chip": 1},
 }
 # Chips -> physical topology for the 3D-torus generations and the 2D ones.
 _TORUS_3D = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8",
@@ -58,6 +68,10 @@ class Slice:
     @property
     def peak_flops(self) -> float:
         return CHIPS[self.generation]["peak"]
+
+    @property
+    def ici_bytes_per_second(self) -> float:
+        return CHIPS[self.generation]["ici"]
 
 
 def parse_slice(name: str) -> Slice:
@@ -97,20 +111,69 @@ class CompileReport:
     temp_bytes: int | None = None
     peak_bytes: int | None = None
     hbm_bytes: int | None = None
-    compiled_flops: float | None = None  # per device
+    compiled_flops: float | None = None  # per device, XLA's count (each `while` body once)
     budget_flops: float | None = None  # per device: train_flops_per_token * tokens per step / devices
-    optimal_seconds: float | None = None
-    mfu: float | None = None  # budget FLOPs / (estimated step time * chip peak)
-    collectives: dict[str, int] = dataclasses.field(default_factory=dict)
+    optimal_seconds: float | None = None  # XLA's estimate, raw (see the module docstring)
+    mfu: float | None = None  # budget FLOPs / (step_seconds * chip peak): an upper bound
+    collectives: dict[str, int] = dataclasses.field(default_factory=dict)  # static count in the HLO
+    program_flops: float | None = None  # per device: matmul FLOPs executed, loops x trip count (jaxpr)
+    program_flops_by_kind: dict[str, float] | None = None  # per device, Pallas at its cost_estimate
+    pallas_fill: float | None = None  # share of the Pallas kernels' rows that carry tokens
+    executed_collectives: dict[str, int] | None = None  # per device, loops x trip count (HLO)
+    collective_bytes: dict[str, float] | None = None  # result bytes of the executed collectives
+    send_bytes: float | None = None  # estimated bytes each device sends per step
+    sparsecore_offloads: int | None = None  # each adds -1 to optimal_seconds
+    compute_seconds: float | None = None  # program_flops / chip peak
+    comm_seconds: float | None = None  # send_bytes / chip ICI bandwidth
+    step_seconds: float | None = None  # roofline: max(compute_seconds, comm_seconds)
 
     @property
     def flops_ratio(self) -> float | None:
+        """XLA's compiled FLOPs / the budget's share (each loop body once: not a work measure)."""
         if not self.compiled_flops or not self.budget_flops:
             return None
         return self.compiled_flops / self.budget_flops
 
+    @property
+    def program_ratio(self) -> float | None:
+        """Program FLOPs (loops unrolled) / the budget's share: the work the step does per budget FLOP."""
+        if not self.program_flops or not self.budget_flops:
+            return None
+        return self.program_flops / self.budget_flops
+
     def as_dict(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "flops_ratio": self.flops_ratio}
+        return {**dataclasses.asdict(self), "flops_ratio": self.flops_ratio, "program_ratio": self.program_ratio}
+
+
+def analyse(report: CompileReport, program_flops_by_kind: dict[str, float] | None, hlo_text: str | None,
+            pallas_fill: float = 1.0) -> CompileReport:
+    """`report` with the program's FLOPs, the executed collectives of its compiled HLO (when given), and
+    the roofline step time with the MFU it implies.
+
+    `program_flops_by_kind` is the whole program's (all devices; divided here by the device count).
+    Pallas kernels enter at `pallas_fill` x their cost estimate: the estimate counts every row of the
+    expert-parallel receive buffer, the kernels only compute the rows that carry tokens
+    (`expert_parallel.buffer_fill`).
+    """
+    tpu = parse_slice(report.slice)
+    devices = tpu.chips
+    fields: dict[str, Any] = {}
+    if program_flops_by_kind is not None:
+        per_device = {kind: value / devices for kind, value in program_flops_by_kind.items()}
+        executed = sum(v * (pallas_fill if kind == "pallas" else 1.0) for kind, v in per_device.items())
+        fields.update(program_flops=executed, program_flops_by_kind=per_device, pallas_fill=pallas_fill,
+                      compute_seconds=executed / tpu.peak_flops)
+    if hlo_text is not None:
+        stats = hlo_stats(hlo_text)
+        fields.update(executed_collectives=stats.collective_counts, collective_bytes=stats.collective_bytes,
+                      send_bytes=stats.send_bytes, sparsecore_offloads=stats.sparsecore_offloads,
+                      comm_seconds=stats.send_bytes / tpu.ici_bytes_per_second)
+    report = dataclasses.replace(report, **fields)
+    if report.compute_seconds is not None and report.comm_seconds is not None:
+        step = max(report.compute_seconds, report.comm_seconds)
+        mfu = report.budget_flops / (step * tpu.peak_flops) if report.budget_flops else None
+        report = dataclasses.replace(report, step_seconds=step, mfu=mfu)
+    return report
 
 
 # The expert backend a TPU run uses: "auto" resolved *for the TPU platform* (Pallas), since
@@ -132,17 +195,28 @@ def _tpu_config(run: RunSpec, remat: str, mesh: jax.sharding.Mesh):
     return run.model.replace(remat=remat, expert_impl=resolve_impl(impl, platform="tpu"))
 
 
-def compile_run(run: RunSpec, slice_name: str, layout: Parallelism | None = None,
-                remat: str | None = None) -> CompileReport:
-    """Compile `run`'s train step for `slice_name` with `layout` (default: the run's parallelism)."""
+@dataclasses.dataclass(frozen=True)
+class _Program:
+    """The train step of a run, set up for a TPU slice: what compiling or tracing it needs."""
+
+    tpu: Slice
+    mesh: jax.sharding.Mesh
+    cfg: Any
+    step: Any
+    args: tuple
+    in_shardings: tuple
+    out_shardings: tuple
+    budget_flops: float  # per device
+
+
+def _program(run: RunSpec, slice_name: str, layout: Parallelism | None, remat: str | None) -> _Program:
     from smelt_jax.parallel import train_state
     from smelt_jax.train.step import make_train_step, optimizer
 
     tpu = parse_slice(slice_name)
     layout = layout if layout is not None else run.parallelism
     remat = remat if remat is not None else layout.remat
-    devices = aot.tpu_topology(tpu.topology).devices
-    mesh = sharding.make_mesh(layout, devices)
+    mesh = sharding.make_mesh(layout, aot.tpu_topology(tpu.topology).devices)
     cfg = _tpu_config(run, remat, mesh)
     schedule = run.schedule
     tx = optimizer(schedule)
@@ -151,32 +225,76 @@ def compile_run(run: RunSpec, slice_name: str, layout: Parallelism | None = None
     batch = plan.abstract_batch(schedule.batch_size, schedule.seq_len)
     replicated = sharding.replicated(mesh)
     lr = jax.ShapeDtypeStruct((), "float32", sharding=replicated)
-    step = make_train_step(plan.graphdef, cfg, tx)
-    base = {"run_id": run.id, "slice": slice_name, "layout": dict(mesh.shape), "remat": remat,
-                "expert_impl": cfg.expert_impl, "hbm_bytes": tpu.hbm_bytes}
+    return _Program(
+        tpu=tpu, mesh=mesh, cfg=cfg, step=make_train_step(plan.graphdef, cfg, tx),
+        args=(params, opt_state, batch, lr),
+        in_shardings=(plan.params_shardings, plan.opt_shardings,
+                      plan.batch_shardings(schedule.batch_size, schedule.seq_len), replicated),
+        out_shardings=(plan.params_shardings, plan.opt_shardings, replicated),
+        budget_flops=budget_lib.train_flops_per_token(cfg) * schedule.tokens_per_step / mesh.size)
+
+
+def compile_run(run: RunSpec, slice_name: str, layout: Parallelism | None = None,
+                remat: str | None = None, hlo_path: str | os.PathLike | None = None) -> CompileReport:
+    """Compile `run`'s train step for `slice_name` with `layout` (default: the run's parallelism).
+
+    With `hlo_path`, the compiled (optimized, partitioned) HLO module's text is written there, gzipped,
+    so its executed collectives and loops can be re-analysed without compiling again.
+    """
+    program = _program(run, slice_name, layout, remat)
+    tpu, cfg = program.tpu, program.cfg
+    base = {"run_id": run.id, "slice": slice_name, "layout": dict(program.mesh.shape), "remat": cfg.remat,
+            "expert_impl": cfg.expert_impl, "hbm_bytes": tpu.hbm_bytes}
     start = time.perf_counter()
     try:
         compiled, summary = aot.compile_for_tpu(
-            step, (params, opt_state, batch, lr), mesh,
-            in_shardings=(plan.params_shardings, plan.opt_shardings,
-                          plan.batch_shardings(schedule.batch_size, schedule.seq_len), replicated),
-            out_shardings=(plan.params_shardings, plan.opt_shardings, replicated),
-            donate_argnums=(0, 1))
+            program.step, program.args, program.mesh, in_shardings=program.in_shardings,
+            out_shardings=program.out_shardings, donate_argnums=(0, 1))
     except aot.TpuOutOfMemory as err:
         return CompileReport(**base, fits=False, error=_first_line(err),
                              compile_seconds=time.perf_counter() - start)
-    budget_flops = (budget_lib.train_flops_per_token(cfg) * schedule.tokens_per_step / mesh.size)
-    mfu = None
-    if summary.optimal_seconds and summary.optimal_seconds > 0:  # the estimate can come back negative
-        mfu = budget_flops / (summary.optimal_seconds * tpu.peak_flops)
     peak = summary.peak_bytes
-    return CompileReport(
+    hlo_text = compiled.as_text()
+    if hlo_path is not None:
+        write_hlo(hlo_path, hlo_text)
+    report = CompileReport(
         **base, fits=peak is None or peak <= tpu.hbm_bytes, error=None,
         compile_seconds=summary.compile_seconds, argument_bytes=summary.argument_bytes,
         output_bytes=summary.output_bytes, temp_bytes=summary.temp_bytes, peak_bytes=peak,
-        compiled_flops=summary.flops, budget_flops=budget_flops,
-        optimal_seconds=summary.optimal_seconds, mfu=mfu,
-        collectives=count_collectives(compiled.as_text()))
+        compiled_flops=summary.flops, budget_flops=program.budget_flops,
+        optimal_seconds=summary.optimal_seconds, collectives=count_collectives(hlo_text))
+    return analyse(report, summary.program_flops, hlo_text, pallas_fill=_pallas_fill(program))
+
+
+def _pallas_fill(program: _Program) -> float:
+    shards = program.mesh.shape.get("expert", 1)
+    if shards <= 1:
+        return 1.0
+    return buffer_fill(program.cfg.top_k, program.cfg.n_experts, shards)
+
+
+def trace_program_flops(run: RunSpec, slice_name: str, layout: Parallelism | None = None,
+                        remat: str | None = None) -> tuple[ProgramFlops, float]:
+    """(the train step's matmul FLOPs: whole program, loops x trip count; the Pallas fill) from tracing
+    alone: seconds, no compile. What `compile_run` passes to `analyse`, for reports made before."""
+    program = _program(run, slice_name, layout, remat)
+    with jax.set_mesh(program.mesh):
+        traced = jax.jit(program.step, in_shardings=program.in_shardings,
+                         out_shardings=program.out_shardings).trace(*program.args)
+    return program_flops(traced.jaxpr), _pallas_fill(program)
+
+
+def write_hlo(path: str | os.PathLike, hlo_text: str) -> None:
+    """Gzipped HLO text at `path`, written atomically (a crash leaves no half file)."""
+    tmp = f"{os.fspath(path)}.tmp"
+    with gzip.open(tmp, "wt", compresslevel=6) as f:
+        f.write(hlo_text)
+    os.replace(tmp, path)
+
+
+def read_hlo(path: str | os.PathLike) -> str:
+    with gzip.open(path, "rt") as f:
+        return f.read()
 
 
 def _first_line(err: Exception) -> str:
@@ -199,12 +317,19 @@ def format_report(report: CompileReport) -> str:
                  f"{gib(report.temp_bytes)}, outputs {gib(report.output_bytes)}, peak "
                  f"{gib(report.peak_bytes)} of {gib(report.hbm_bytes)} HBM"
                  + ("" if report.fits else "  (DOES NOT FIT)"))
-    ratio = report.flops_ratio
-    lines.append(f"  per-device FLOPs: compiled {report.compiled_flops or 0:.3e}, budget share "
-                 f"{report.budget_flops or 0:.3e}" + (f" (x{ratio:.2f})" if ratio else ""))
-    lines.append(f"  collectives: {report.collectives or 'none'}")
-    if report.mfu is not None:
-        lines.append(f"  estimated step {report.optimal_seconds:.3f} s -> MFU {100 * report.mfu:.1f}%")
-    else:
-        lines.append(f"  step-time estimate unusable ({report.optimal_seconds})")
+    ratio, program_ratio = report.flops_ratio, report.program_ratio
+    lines.append(f"  per-device FLOPs: budget share {report.budget_flops or 0:.3e}; program (loops unrolled) "
+                 + (f"{report.program_flops:.3e} (x{program_ratio:.2f})" if program_ratio else "?")
+                 + f"; XLA cost analysis {report.compiled_flops or 0:.3e}"
+                 + (f" (x{ratio:.2f}, each loop body once)" if ratio else ""))
+    lines.append(f"  collectives in the HLO: {report.collectives or 'none'}")
+    if report.executed_collectives is not None:
+        lines.append(f"  executed per step: {report.executed_collectives}, "
+                     f"{(report.send_bytes or 0) / 2**30:.2f} GiB sent per device; "
+                     f"{report.sparsecore_offloads} SparseCore offloads")
+    if report.step_seconds is not None:
+        lines.append(f"  roofline step >= {report.step_seconds:.3f} s (compute {report.compute_seconds:.3f} s, "
+                     f"ICI {report.comm_seconds:.3f} s) -> MFU <= {100 * (report.mfu or 0):.1f}%")
+    lines.append(f"  XLA optimal_seconds {report.optimal_seconds} (each loop body once, -1 per SparseCore "
+                 "offload: not a step time)")
     return "\n".join(lines)

@@ -45,6 +45,19 @@ def token_axes(mesh) -> tuple[str, ...]:
     return tuple(a for a in dict.fromkeys(axes + (EXPERT_AXIS,)) if mesh.shape[a] > 1)
 
 
+def slots_per_destination(tokens_local: int, top_k: int, experts_local: int) -> int:
+    """C: send-buffer rows per destination device. A token picks distinct experts, so at most
+    min(k, E_l) of its copies go to one device: C = T_l * min(k, E_l) keeps the exchange dropless."""
+    return tokens_local * min(top_k, experts_local)
+
+
+def buffer_fill(top_k: int, n_experts: int, expert_shards: int) -> float:
+    """Expected share of the receive buffer's rows that carry a token copy, dropless: each device
+    sends T_l * k copies in n * C rows, so k / (n * min(k, E / n)). 1 when E / n = 1 (S~0 models);
+    1/n whenever E / n >= k. The Pallas kernels skip the empty rows; their cost estimate cannot."""
+    return top_k / (expert_shards * min(top_k, n_experts // expert_shards))
+
+
 def kept_copies(expert_ids: jax.Array, n_experts: int, capacity: int | None) -> jax.Array:
     """[T, k] bool: the copies the unsharded layer keeps (all when dropless)."""
     if capacity is None:
@@ -61,7 +74,7 @@ def _exchange_and_compute(x_local, ids_local, kept_local, w_gate, w_up, w_down, 
     n = jax.lax.axis_size(EXPERT_AXIS)
     t_local, d = x_local.shape
     experts_local = w_gate.shape[0]
-    slots = t_local * min(top_k, experts_local)
+    slots = slots_per_destination(t_local, top_k, experts_local)
     ids = ids_local.reshape(-1)
     dest = jnp.where(kept_local.reshape(-1), ids // experts_local, n)  # n: not sent
     local_expert = (ids % experts_local).astype(jnp.int32)

@@ -21,11 +21,11 @@ from pathlib import Path
 from typing import Any
 
 from smelt_jax.descriptors import Parallelism, RunSpec, content_hash
-from smelt_jax.parallel.compile_report import CompileReport, parse_slice
+from smelt_jax.parallel.compile_report import CompileReport, analyse, parse_slice, read_hlo
 from smelt_jax.parallel.layout import layout_key
 
 # Bump when the compiled program or the report's fields change: older cache files are then ignored.
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: Pallas lane tiles chosen to pad least; HLO kept
 CACHE_DIR = Path(__file__).resolve().parents[2] / "data_cache" / "compile_report"
 
 # Both members of a matched pair always share a slice. v5p-128 (64 chips, 95 GiB HBM each) for 100M,
@@ -96,9 +96,22 @@ def cache_path(run: RunSpec, candidate: Candidate, cache_dir: Path = CACHE_DIR) 
     return Path(cache_dir) / f"{run_key(run).replace('/', '_')}__{digest}.json"
 
 
+def hlo_path(cache_file: Path) -> Path:
+    """Where the compiled HLO of a cached compile is kept (next to its JSON; absent for an OOM)."""
+    return cache_file.with_name(cache_file.name.removesuffix(".json") + ".hlo.gz")
+
+
 def _report_from_dict(data: dict[str, Any]) -> CompileReport:
     fields = {f.name for f in dataclasses.fields(CompileReport)}
     return CompileReport(**{k: v for k, v in data.items() if k in fields})
+
+
+def _write_cache(path: Path, run: RunSpec, candidate: Candidate, report: CompileReport) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"key": run_key(run), "candidate": candidate.layout.to_dict(),
+                               "report": report.as_dict()}, indent=1, sort_keys=True))
+    tmp.replace(path)  # atomic: an interrupted write leaves no half file behind
 
 
 def compile_cached(run: RunSpec, candidate: Candidate, compile_fn: Callable[..., CompileReport],
@@ -108,13 +121,39 @@ def compile_cached(run: RunSpec, candidate: Candidate, compile_fn: Callable[...,
     if path.exists():
         return _report_from_dict(json.loads(path.read_text())["report"]), True
     layout = candidate.layout
-    report = compile_fn(run, layout.tpu_type, layout, remat=layout.remat)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"key": run_key(run), "candidate": candidate.layout.to_dict(),
-                               "report": report.as_dict()}, indent=1, sort_keys=True))
-    tmp.replace(path)  # atomic: an interrupted write leaves no half file behind
+    report = compile_fn(run, layout.tpu_type, layout, remat=layout.remat, hlo_path=hlo_path(path))
+    _write_cache(path, run, candidate, report)
     return report, False
+
+
+def complete_analysis(run: RunSpec, result: SearchResult, trace_fn: Callable[..., Any],
+                      cache_dir: Path = CACHE_DIR) -> SearchResult:
+    """`result` with its chosen report's program FLOPs, executed collectives and roofline filled in
+    when a cached report (made before they existed) lacks them: FLOPs by tracing the train step
+    (`trace_fn`, e.g. `compile_report.trace_program_flops`: seconds, no compile), collectives from the
+    compiled HLO kept next to the cache file (absent for compiles made before HLO was kept: those stay
+    without, until recompiled). The cache file is updated, so this runs once per configuration."""
+    report = result.report
+    if result.chosen is None or report is None:
+        return result
+    candidate = Candidate(result.chosen)
+    path = cache_path(run, candidate, cache_dir)
+    hlo = hlo_path(path)
+    need_flops = report.program_flops is None
+    need_hlo = report.executed_collectives is None and hlo.exists()
+    if not (need_flops or need_hlo):
+        return result
+    by_kind, fill = None, report.pallas_fill or 1.0
+    if need_flops:
+        flops, fill = trace_fn(run, result.slice, result.chosen, remat=result.chosen.remat)
+        by_kind = flops.by_kind
+    elif report.program_flops_by_kind is not None:
+        devices = parse_slice(report.slice).chips
+        by_kind = {kind: value * devices for kind, value in report.program_flops_by_kind.items()}
+    hlo_text = read_hlo(hlo) if hlo.exists() else None
+    report = analyse(report, by_kind, hlo_text, pallas_fill=fill)
+    _write_cache(path, run, candidate, report)
+    return dataclasses.replace(result, report=report)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,25 +221,14 @@ def _collectives(counts: dict[str, int]) -> str:
     return " ".join(f"{short[k]} {v}" for k, v in sorted(counts.items())) or "none"
 
 
-def step_estimate(report: CompileReport) -> tuple[str, str]:
-    """(step-time cell, MFU cell). The compiler's `optimal_seconds` when positive; otherwise n/a."""
-    if report.optimal_seconds is not None and report.optimal_seconds > 0 and report.mfu is not None:
-        return f"{report.optimal_seconds:.2f} s", f"{100 * report.mfu:.0f}%"
-    shown = "none" if report.optimal_seconds is None else f"{report.optimal_seconds:.3g}"
-    return f"n/a ({shown})", "n/a"
-
-
-def flop_floor_seconds(report: CompileReport) -> float | None:
-    """Compiled per-device FLOPs at the chip's dense bf16 peak: a lower bound on the step time."""
-    if not report.compiled_flops:
-        return None
-    return report.compiled_flops / parse_slice(report.slice).peak_flops
+def _tflop(value: float | None) -> str:
+    return "?" if value is None else f"{value / 1e12:.1f}"
 
 
 TABLE_HEADER = (
     "| config | slice | layout (data x fsdp x expert x tensor) | remat | args GiB | temps GiB | out GiB "
-    "| args+temps / peak / HBM GiB | compiled / budget TFLOP per device | FLOP floor s | compiler step est. | MFU "
-    "| collectives | compile s |\n"
+    "| args+temps / peak / HBM GiB | TFLOP per device: budget / program (x) | XLA count (x) "
+    "| executed collectives (GiB sent) | step >= s (compute / ICI) | MFU <= | compile s |\n"
     "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
@@ -216,29 +244,38 @@ def table_row(result: SearchResult) -> str:
         return f"| {name} | {result.slice} | {reason} |" + " |" * 11
     r = result.report
     lay = r.layout
-    step, mfu = step_estimate(r)
-    floor = flop_floor_seconds(r)
-    ratio = r.flops_ratio
-    flops = (f"{(r.compiled_flops or 0) / 1e12:.1f} / {(r.budget_flops or 0) / 1e12:.1f}"
-             + (f" (x{ratio:.2f})" if ratio else ""))
+    program = (f"{_tflop(r.budget_flops)} / {_tflop(r.program_flops)}"
+               + (f" (x{r.program_ratio:.2f})" if r.program_ratio else ""))
+    xla = f"{_tflop(r.compiled_flops)}" + (f" (x{r.flops_ratio:.2f})" if r.flops_ratio else "")
+    if r.executed_collectives is not None:
+        executed = f"{_collectives(r.executed_collectives)} ({(r.send_bytes or 0) / 2**30:.1f})"
+    else:
+        executed = f"static: {_collectives(r.collectives)} (HLO not kept)"
+    if r.step_seconds is not None:
+        step = f"{r.step_seconds:.2f} ({r.compute_seconds:.2f} / {r.comm_seconds:.2f})"
+        mfu = f"{100 * r.mfu:.0f}%" if r.mfu is not None else "?"
+    else:
+        step = "?" if r.compute_seconds is None else f"? ({r.compute_seconds:.2f} / ?)"
+        mfu = "?"
     return (f"| {name} | {r.slice} | {lay['data']} x {lay['fsdp']} x {lay['expert']} x {lay['tensor']} "
             f"| {r.remat} | {_gib(r.argument_bytes)} | {_gib(r.temp_bytes)} | {_gib(r.output_bytes)} "
             f"| {_gib((r.argument_bytes or 0) + (r.temp_bytes or 0))} / {_gib(r.peak_bytes)} / "
-            f"{_gib(r.hbm_bytes)} | {flops} | "
-            f"{'?' if floor is None else f'{floor:.2f}'} | {step} | {mfu} | {_collectives(r.collectives)} "
-            f"| {r.compile_seconds:.0f} |")
+            f"{_gib(r.hbm_bytes)} | {program} | {xla} | {executed} | {step} | {mfu} | {r.compile_seconds:.0f} |")
 
 
 def render_table(results: Iterable[SearchResult], command: str) -> str:
     results = list(results)
     fitted = sum(r.status == "fits" for r in results)
     intro = (f"Generated by `{command}` (`make compile-report`): {fitted} of {len(results)} "
-             "configurations compiled and fit. Per-device numbers from the TPU compiler "
-             "(compiled, never run). 'FLOP floor' = compiled FLOPs / chip peak (459 TFLOP/s bf16 on "
-             "v5p): indicative only (see the FLOPs caveat), not a measurement. 'compiler step est.' is XLA's "
-             "`optimal_seconds` with the MFU it implies (budget FLOPs / (estimate x peak)); n/a with the "
-             "raw value when it is not positive. Fit = compiler accepted, peak < HBM, and arguments + "
-             f"temporaries <= {HBM_HEADROOM:.0%} of HBM.")
+             "configurations compiled and fit. Per-device numbers from the TPU compiler's program "
+             "(compiled, never run). **budget** = train_flops_per_token x tokens per step / chips; "
+             "**program** = the matmul FLOPs the step executes (jaxpr, loops x trip count, Pallas kernels "
+             "at the rows that carry tokens); **XLA count** = `cost_analysis()` FLOPs, which count each "
+             "loop body once (not a work measure). **Executed collectives** per step with loops x trip "
+             "count, and the GiB each device sends (all-reduce twice its size). **step >=** = "
+             "max(program FLOPs / 459 TFLOP/s, GiB sent / 600 GB/s ICI): a roofline lower bound, so "
+             "**MFU <=** (budget FLOPs / (step x peak)) is an upper bound. Fit = compiler accepted, peak "
+             f"< HBM, and arguments + temporaries <= {HBM_HEADROOM:.0%} of HBM.")
     lines = [intro, "", TABLE_HEADER]
     lines += [table_row(r) for r in results]
     return "\n".join(lines) + "\n"

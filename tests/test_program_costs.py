@@ -1,0 +1,189 @@
+"""Program FLOPs from the jaxpr (loops x trip count) and executed collectives from compiled HLO text,
+each against a count made by hand; and the roofline that combines them in the compile report."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from smelt_jax import aot
+from smelt_jax.parallel import compile_report as cr
+from smelt_jax.parallel.expert_parallel import buffer_fill
+from smelt_jax.parallel.hlo_stats import hlo_stats, shape_bytes
+from smelt_jax.parallel.program_flops import program_flops
+
+# ------------------------------------------------------------------------------ jaxpr FLOP counter
+
+
+def _layers(x, w):  # x [b, d], w [layers, d, d]
+    @jax.checkpoint
+    def layer(h, wi):
+        return jnp.tanh(h @ wi), None
+
+    return jax.lax.scan(layer, x, w)[0].sum()
+
+
+def test_scan_bodies_count_once_per_iteration_and_remat_recomputes_the_forward():
+    x, w = jnp.ones((4, 8)), jnp.ones((3, 8, 8))
+    one_matmul = 2 * 4 * 8 * 8
+    forward = program_flops(jax.make_jaxpr(_layers)(x, w))
+    assert forward.total == 3 * one_matmul and forward.unknown_trip_loops == 0
+    # gradient: forward, recomputed forward (checkpoint), and two matmuls back per layer
+    grads = program_flops(jax.make_jaxpr(jax.grad(_layers, argnums=(0, 1)))(x, w))
+    assert grads.total == 4 * 3 * one_matmul
+
+
+def test_batched_dot_cond_and_while_are_counted():
+    a, b = jnp.ones((5, 6, 7)), jnp.ones((5, 7, 3))
+    batched = program_flops(jax.make_jaxpr(lambda a, b: jnp.einsum("bij,bjk->bik", a, b))(a, b))
+    assert batched.total == 2 * 5 * 6 * 7 * 3
+    m = jnp.ones((8, 8))
+    cond = program_flops(jax.make_jaxpr(
+        lambda m: jax.lax.cond(m.sum() > 0, lambda v: v @ v @ v, lambda v: v @ v, m))(m))
+    assert cond.total == 2 * (2 * 8**3)  # the costlier branch
+    loop = program_flops(jax.make_jaxpr(
+        lambda m, n: jax.lax.while_loop(lambda c: c[1] < n, lambda c: (c[0] @ m, c[1] + 1), (m, 0))[0])(m, 5))
+    assert loop.total == 2 * 8**3 and loop.unknown_trip_loops == 1  # trip count unknown: once, flagged
+
+
+def test_ragged_dot_and_its_gradient_count_every_row_once():
+    lhs, rhs = jnp.ones((64, 16)), jnp.ones((4, 16, 32))
+    sizes = jnp.array([10, 20, 0, 34], jnp.int32)
+    f = lambda a, b: jax.lax.ragged_dot(a, b, sizes).sum()
+    forward = program_flops(jax.make_jaxpr(f)(lhs, rhs))
+    assert forward.by_kind == {"ragged_dot": 2 * 64 * 16 * 32}
+    grads = program_flops(jax.make_jaxpr(jax.grad(f, argnums=(0, 1)))(lhs, rhs))
+    assert grads.total == 3 * 2 * 64 * 16 * 32  # forward, d lhs, d rhs (ragged contracting)
+
+
+def test_pallas_kernels_count_their_cost_estimate_and_shard_map_multiplies_by_shards():
+    from smelt_jax.kernels.gmm import gmm
+
+    lhs, rhs = jnp.ones((64, 16)), jnp.ones((4, 16, 32))
+    sizes = jnp.array([10, 20, 0, 34], jnp.int32)
+    pallas = program_flops(jax.make_jaxpr(lambda a, b: gmm(a, b, sizes, interpret=True))(lhs, rhs))
+    assert pallas.by_kind == {"pallas": 2 * 64 * 16 * 32} and pallas.pallas_without_estimate == 0
+
+    assert len(jax.devices()) >= 4, "the suite runs with 8 fake CPU devices (conftest)"
+    mesh = jax.make_mesh((4,), ("x",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:4])
+    sharded = jax.shard_map(lambda a, b: a @ b, mesh=mesh, in_specs=(P("x"), P()), out_specs=P("x"))
+    counted = program_flops(jax.make_jaxpr(sharded)(jnp.ones((16, 8)), jnp.ones((8, 8))))
+    assert counted.total == 2 * 16 * 8 * 8  # 4 shards x [4, 8] @ [8, 8]
+
+
+def test_buffer_fill_of_the_dropless_exchange():
+    assert buffer_fill(top_k=8, n_experts=8, expert_shards=8) == 1.0  # one expert per device
+    assert buffer_fill(top_k=8, n_experts=64, expert_shards=8) == 1 / 8  # E/n >= k
+    assert buffer_fill(top_k=4, n_experts=16, expert_shards=8) == 4 / (8 * 2)
+
+
+# ------------------------------------------------------------------------------ HLO text statistics
+
+SYNTHETIC_HLO = """HloModule m, is_scheduled=true
+
+%body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %p = (s32[], f32[8]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %x = f32[8]{0} get-tuple-element(%p), index=1
+  %ar = f32[8]{0:T(128)} all-reduce(%x), replica_groups={}, to_apply=%sum
+  %ags = (f32[4]{0}, f32[16]{0}) all-gather-start(%x), dimensions={0}
+  %agd = f32[16]{0} all-gather-done(%ags)
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  ROOT %t = (s32[], f32[8]{0}) tuple(%next, %ar)
+}
+
+%cond (p.1: (s32[], f32[8])) -> pred[] {
+  %p.1 = (s32[], f32[8]{0}) parameter(0)
+  %limit = s32[]{:T(128)} constant(12), metadata={op_name="x"}
+  %i.1 = s32[] get-tuple-element(%p.1), index=0
+  ROOT %lt = pred[] compare(%i.1, %limit), direction=LT
+}
+
+%sum (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %c = f32[] add(%a, %b)
+}
+
+ENTRY %main (x.0: f32[8]) -> f32[8] {
+  %x.0 = f32[8]{0} parameter(0)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[8]{0}) tuple(%zero, %x.0)
+  %loop = (s32[], f32[8]{0}) while(%init), condition=%cond, body=%body
+  %a2a = bf16[2,4]{1,0} all-to-all(%x.0), dimensions={0}
+  %sc = ((s32[16]), s32[16], u32[]) call-start(%x.0), async_execution_thread="sparsecore", to_apply=%sum
+  ROOT %out = f32[8]{0} get-tuple-element(%loop), index=1
+}
+"""
+
+
+def test_shape_bytes_sums_tuples_and_ignores_layouts():
+    assert shape_bytes("f32[8,4]{1,0:T(8,128)}") == 128
+    assert shape_bytes("(bf16[2,3]{1,0}, s32[], /*index=2*/pred[5])") == 12 + 4 + 5
+
+
+def test_hlo_stats_multiplies_loop_bodies_by_their_trip_count():
+    stats = hlo_stats(SYNTHETIC_HLO)
+    assert stats.loop_trip_counts == (12,)
+    assert stats.collective_counts == {"all-gather": 12, "all-reduce": 12, "all-to-all": 1}
+    assert stats.collective_bytes == {"all-gather": 12 * 64, "all-reduce": 12 * 32, "all-to-all": 16}
+    assert stats.send_bytes == 12 * 64 + 2 * 12 * 32 + 16  # all-reduce sends twice its size
+    assert stats.sparsecore_offloads == 1
+
+
+@pytest.mark.tpu
+def test_hlo_stats_on_a_real_tpu_program_with_collectives_in_a_scan():
+    available, reason = aot.libtpu_status()
+    if not available:
+        pytest.skip(reason)
+    mesh = aot.topology_mesh("v5e:2x2", (4,), ("x",))
+    layers = 6
+
+    def f(x, w):  # x [4 * 128, 256] sharded rows; w [layers, 256, 256] sharded columns: gathered per layer
+        def layer(h, wi):
+            return jnp.tanh(h @ jax.lax.with_sharding_constraint(wi, NamedSharding(mesh, P()))), None
+        return jax.lax.scan(layer, x, w)[0]
+
+    x = jax.ShapeDtypeStruct((512, 256), jnp.float32, sharding=NamedSharding(mesh, P("x")))
+    w = jax.ShapeDtypeStruct((layers, 256, 256), jnp.float32, sharding=NamedSharding(mesh, P(None, None, "x")))
+    compiled, summary = aot.compile_for_tpu(f, (x, w), mesh)
+    stats = hlo_stats(compiled.as_text())
+    assert stats.loop_trip_counts == (layers,)
+    assert stats.collective_counts == {"all-gather": layers}  # one gather per layer, executed 6 times
+    per_layer = stats.collective_bytes["all-gather"] / layers
+    assert per_layer >= 256 * 256 * 4 / 4  # at least the other shards' part of a weight
+    program = layers * 2 * 512 * 256 * 256
+    assert summary.program_flops == {"dot_general": program}
+    # XLA's own count sees the loop body once: one layer's per-device share
+    assert summary.flops == pytest.approx(program / 4 / layers, rel=0.05)
+
+
+# ------------------------------------------------------------------------------ roofline in the report
+
+
+def _report(**fields):
+    base = dict(run_id="r", slice="v5p-128", layout={"data": 1, "fsdp": 8, "expert": 8, "tensor": 1},
+                remat="full", expert_impl="pallas", fits=True, error=None, compile_seconds=1.0,
+                budget_flops=100e12)
+    return cr.CompileReport(**{**base, **fields})
+
+
+def test_analyse_takes_the_larger_of_compute_and_communication():
+    chips = 64
+    by_kind = {"dot_general": chips * 150e12, "pallas": chips * 400e12}
+    report = cr.analyse(_report(), by_kind, SYNTHETIC_HLO, pallas_fill=0.125)
+    assert report.program_flops == pytest.approx(150e12 + 50e12)  # Pallas at its filled rows
+    assert report.program_ratio == pytest.approx(2.0)
+    assert report.compute_seconds == pytest.approx(200e12 / 459e12)
+    assert report.comm_seconds == pytest.approx((12 * 64 + 2 * 12 * 32 + 16) / 600e9)
+    assert report.step_seconds == report.compute_seconds  # compute-bound
+    assert report.mfu == pytest.approx(100e12 / 200e12)
+    assert report.sparsecore_offloads == 1
+    assert math.isclose(report.as_dict()["program_ratio"], 2.0)
+    bare = cr.analyse(_report(), by_kind, None)
+    assert bare.step_seconds is None and bare.mfu is None  # no collectives known: no roofline claimed
+
