@@ -43,6 +43,10 @@ def content_hash(obj: Any, length: int = 8) -> str:
 
 EXPERT_IMPLS = ("auto", "dense", "ragged_dot", "megablox", "capacity", "pallas")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+EXPERT_EXCHANGES = ("padded", "ragged")  # how expert parallelism moves tokens: parallel/expert_parallel.py
+# Fields added after run ids were first published: left out of `to_dict` (and so of every content hash)
+# while they hold these defaults, so existing run ids, cache keys and golden files stay valid.
+_OMITTED_WHEN_DEFAULT = {"expert_exchange": "padded"}
 DTYPES = ("float32", "bfloat16")
 
 
@@ -79,6 +83,7 @@ class ModelConfig:
     param_dtype: str = "float32"
     compute_dtype: str = "float32"
     remat: str = "none"
+    expert_exchange: str = "padded"  # "ragged": send only filled rows (TPU/GPU; XLA:CPU lacks it)
 
     def __post_init__(self) -> None:
         for name in ("vocab", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
@@ -108,6 +113,8 @@ class ModelConfig:
         _require(self.expert_impl in EXPERT_IMPLS,
                  f"expert_impl {self.expert_impl!r} not in {EXPERT_IMPLS}")
         _require(self.remat in REMAT_POLICIES, f"remat {self.remat!r} not in {REMAT_POLICIES}")
+        _require(self.expert_exchange in EXPERT_EXCHANGES,
+                 f"expert_exchange {self.expert_exchange!r} not in {EXPERT_EXCHANGES}")
         _require(self.param_dtype in DTYPES and self.compute_dtype in DTYPES,
                  f"dtypes must be in {DTYPES}")
 
@@ -145,7 +152,11 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(self)
+        for name, default in _OMITTED_WHEN_DEFAULT.items():
+            if out[name] == default:
+                del out[name]
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":

@@ -124,12 +124,14 @@ def test_cached_reports_get_program_flops_and_collectives_once(tmp_path):
         return ProgramFlops(64 * 40e12, {"dot_general": 64 * 40e12}, 0, 0), 1.0
 
     done = ls.complete_analysis(run, result, trace_fn, tmp_path)
-    assert traced == ["full"] and done.report.program_flops == 40e12
+    assert traced == ["full", "none"] and done.report.program_flops == 40e12  # "none": the remat term
     assert done.report.executed_collectives == {"all-gather": 12, "all-reduce": 12, "all-to-all": 1}
     assert done.report.mfu == pytest.approx(20e12 / 40e12)  # compute-bound: budget / program
     again = ls.search_layout(run, _fake_compiler(lambda p: True, []), cache_dir=tmp_path)
     assert again.report.program_flops == 40e12  # written back to the cache
-    assert ls.complete_analysis(run, again, trace_fn, tmp_path).report == again.report and traced == ["full"]
+    assert ls.complete_analysis(run, again, trace_fn, tmp_path).report == again.report
+    assert traced == ["full", "none"]  # nothing traced again
+    assert done.report.flops_accounting["remat"] == 0.0  # the fake traces equal with and without remat
     assert "40.0 (x2.00)" in ls.table_row(done) and "50%" in ls.table_row(done)
 
 

@@ -180,10 +180,15 @@ def test_analyse_takes_the_larger_of_compute_and_communication():
     assert report.program_ratio == pytest.approx(2.0)
     assert report.compute_seconds == pytest.approx(200e12 / 459e12)
     assert report.comm_seconds == pytest.approx((12 * 64 + 2 * 12 * 32 + 16) / 600e9)
+    assert report.comm_seconds_ragged == pytest.approx((12 * 64 + 2 * 12 * 32 + 16 * 0.125) / 600e9)
     assert report.step_seconds == report.compute_seconds  # compute-bound
     assert report.mfu == pytest.approx(100e12 / 200e12)
     assert report.sparsecore_offloads == 1
     assert math.isclose(report.as_dict()["program_ratio"], 2.0)
+    ragged_hlo = SYNTHETIC_HLO.replace("all-to-all(%x.0)", "ragged-all-to-all(%x.0)")
+    ragged = cr.analyse(_report(), by_kind, ragged_hlo, pallas_fill=0.125)
+    assert ragged.send_bytes == pytest.approx(12 * 64 + 2 * 12 * 32 + 16 * 0.125)  # filled rows only
+    assert ragged.comm_seconds_ragged is None
     bare = cr.analyse(_report(), by_kind, None)
     assert bare.step_seconds is None and bare.mfu is None  # no collectives known: no roofline claimed
 

@@ -123,8 +123,14 @@ class CompileReport:
     collective_bytes: dict[str, float] | None = None  # result bytes of the executed collectives
     send_bytes: float | None = None  # estimated bytes each device sends per step
     sparsecore_offloads: int | None = None  # each adds -1 to optimal_seconds
+    # Per device, program_flops split into where it comes from (`flop_accounting`); sums to program_flops.
+    flops_accounting: dict[str, float] | None = None
     compute_seconds: float | None = None  # program_flops / chip peak
     comm_seconds: float | None = None  # send_bytes / chip ICI bandwidth
+    # Projection for a padded program: the all-to-alls sending only their filled rows (expert_exchange
+    # "ragged"), i.e. all-to-all bytes x pallas_fill. None for a program that is ragged already.
+    comm_seconds_ragged: float | None = None
+    analysis_version: int = 0  # ANALYSIS_VERSION of `analyse` when these derived fields were computed
     step_seconds: float | None = None  # roofline: max(compute_seconds, comm_seconds)
 
     @property
@@ -145,6 +151,10 @@ class CompileReport:
         return {**dataclasses.asdict(self), "flops_ratio": self.flops_ratio, "program_ratio": self.program_ratio}
 
 
+# Bump when `analyse` derives its fields differently: cached reports are then re-analysed (no recompile).
+ANALYSIS_VERSION = 1
+
+
 def analyse(report: CompileReport, program_flops_by_kind: dict[str, float] | None, hlo_text: str | None,
             pallas_fill: float = 1.0) -> CompileReport:
     """`report` with the program's FLOPs, the executed collectives of its compiled HLO (when given), and
@@ -160,15 +170,21 @@ def analyse(report: CompileReport, program_flops_by_kind: dict[str, float] | Non
     fields: dict[str, Any] = {}
     if program_flops_by_kind is not None:
         per_device = {kind: value / devices for kind, value in program_flops_by_kind.items()}
-        executed = sum(v * (pallas_fill if kind == "pallas" else 1.0) for kind, v in per_device.items())
+        executed = executed_flops(per_device, pallas_fill)
         fields.update(program_flops=executed, program_flops_by_kind=per_device, pallas_fill=pallas_fill,
                       compute_seconds=executed / tpu.peak_flops)
     if hlo_text is not None:
         stats = hlo_stats(hlo_text)
+        # A ragged all-to-all's result is its whole receive buffer; only the filled rows travel.
+        ragged = stats.collective_bytes.get("ragged-all-to-all", 0.0)
+        send = stats.send_bytes - ragged * (1.0 - pallas_fill)
+        padded_a2a = stats.collective_bytes.get("all-to-all", 0.0)
         fields.update(executed_collectives=stats.collective_counts, collective_bytes=stats.collective_bytes,
-                      send_bytes=stats.send_bytes, sparsecore_offloads=stats.sparsecore_offloads,
-                      comm_seconds=stats.send_bytes / tpu.ici_bytes_per_second)
-    report = dataclasses.replace(report, **fields)
+                      send_bytes=send, sparsecore_offloads=stats.sparsecore_offloads,
+                      comm_seconds=send / tpu.ici_bytes_per_second,
+                      comm_seconds_ragged=None if ragged else
+                      (send - padded_a2a * (1.0 - pallas_fill)) / tpu.ici_bytes_per_second)
+    report = dataclasses.replace(report, **fields, analysis_version=ANALYSIS_VERSION)
     if report.compute_seconds is not None and report.comm_seconds is not None:
         step = max(report.compute_seconds, report.comm_seconds)
         mfu = report.budget_flops / (step * tpu.peak_flops) if report.budget_flops else None
@@ -234,6 +250,34 @@ def _program(run: RunSpec, slice_name: str, layout: Parallelism | None, remat: s
         budget_flops=budget_lib.train_flops_per_token(cfg) * schedule.tokens_per_step / mesh.size)
 
 
+ACCOUNTING_TERMS = ("budget", "attention_window", "unembedding", "remat", "other")
+
+
+def executed_flops(by_kind: dict[str, float], pallas_fill: float) -> float:
+    """Matmul FLOPs executed: Pallas kernels at the share of their rows that carry tokens."""
+    return sum(value * (pallas_fill if kind == "pallas" else 1.0) for kind, value in by_kind.items())
+
+
+def flop_accounting(cfg, tokens_per_device: float, executed_with_remat: float,
+                    executed_without_remat: float) -> dict[str, float]:
+    """Where a device's program FLOPs come from, per step (terms sum to `executed_with_remat`):
+
+    budget            6 N_exec + 12 L_exec q_width x 400 keys, per token (the paper's convention);
+    attention_window  the model computes every [seq, seq] score and masks it: seq keys, not 400;
+    unembedding       2 d vocab per token forward, x3 for training (outside the budget by convention);
+    remat             recomputation: the program traced with remat 'none' subtracted (measured);
+    other             the rest: Pallas tile padding of d_model and the expert width to lane-tile
+                      multiples, the router's matmuls, and anything else the budget does not count.
+    """
+    budget = budget_lib.train_flops_per_token(cfg) * tokens_per_device
+    window = budget_lib.train_flops_per_token(cfg, attended_keys=cfg.seq_len) * tokens_per_device
+    with_logits = budget_lib.train_flops_per_token(cfg, attended_keys=cfg.seq_len,
+                                                   include_unembedding=True) * tokens_per_device
+    return {"budget": budget, "attention_window": window - budget, "unembedding": with_logits - window,
+            "remat": executed_with_remat - executed_without_remat,
+            "other": executed_without_remat - with_logits}
+
+
 def compile_run(run: RunSpec, slice_name: str, layout: Parallelism | None = None,
                 remat: str | None = None, hlo_path: str | os.PathLike | None = None) -> CompileReport:
     """Compile `run`'s train step for `slice_name` with `layout` (default: the run's parallelism).
@@ -263,7 +307,22 @@ def compile_run(run: RunSpec, slice_name: str, layout: Parallelism | None = None
         output_bytes=summary.output_bytes, temp_bytes=summary.temp_bytes, peak_bytes=peak,
         compiled_flops=summary.flops, budget_flops=program.budget_flops,
         optimal_seconds=summary.optimal_seconds, collectives=count_collectives(hlo_text))
-    return analyse(report, summary.program_flops, hlo_text, pallas_fill=_pallas_fill(program))
+    report = analyse(report, summary.program_flops, hlo_text, pallas_fill=_pallas_fill(program))
+    return with_accounting(report, run, trace_program_flops)
+
+
+def with_accounting(report: CompileReport, run: RunSpec, trace_fn) -> CompileReport:
+    """`report` with `flops_accounting`, tracing the step once more with remat 'none' (`trace_fn`, as
+    `trace_program_flops`) to measure the recomputation. Needs `program_flops` set."""
+    if report.program_flops is None or report.pallas_fill is None:
+        return report
+    layout = Parallelism(**report.layout, tpu_type=report.slice)
+    flops, fill = trace_fn(run, report.slice, layout, remat="none")
+    devices = parse_slice(report.slice).chips
+    without = executed_flops(flops.by_kind, fill) / devices
+    cfg = run.model
+    accounting = flop_accounting(cfg, run.schedule.tokens_per_step / devices, report.program_flops, without)
+    return dataclasses.replace(report, flops_accounting=accounting)
 
 
 def _pallas_fill(program: _Program) -> float:
@@ -330,6 +389,9 @@ def format_report(report: CompileReport) -> str:
     if report.step_seconds is not None:
         lines.append(f"  roofline step >= {report.step_seconds:.3f} s (compute {report.compute_seconds:.3f} s, "
                      f"ICI {report.comm_seconds:.3f} s) -> MFU <= {100 * (report.mfu or 0):.1f}%")
+    if report.comm_seconds_ragged is not None:
+        lines.append(f"  projected ICI with expert_exchange='ragged' (all-to-all bytes x fill "
+                     f"{report.pallas_fill:.3f}): {report.comm_seconds_ragged:.3f} s")
     lines.append(f"  XLA optimal_seconds {report.optimal_seconds} (each loop body once, -1 per SparseCore "
                  "offload: not a step time)")
     return "\n".join(lines)

@@ -15,9 +15,15 @@ same capacity drops, same combine) with a different data movement:
 4. Unsort, `all_to_all` back, gather each copy's output from (destination, slot), combine with the
    router weights (outside the shard_map, as the unsharded layer does).
 
-Capacity-padded buffers run everywhere (CPU included). `jax.lax.ragged_all_to_all` would send only
-the filled rows, but XLA:CPU does not implement it, so this module does not use it (see
-docs/parallelism.md). Gradients flow through both all_to_alls (each is the other's transpose).
+Two ways to move the buffers (`ModelConfig.expert_exchange`):
+- "padded" (default; runs everywhere): `all_to_all` of the whole [n, C, d] buffers. When E_l >= k,
+  only 1/n of the rows carry a token (`buffer_fill`), so n times the necessary bytes cross the ICI.
+- "ragged": `jax.lax.ragged_all_to_all` sends only the filled prefix of each destination's block, into
+  the same block layout on the receiver, so everything around the exchange is unchanged. XLA:CPU does
+  not implement it ("UNIMPLEMENTED: HLO opcode ragged-all-to-all"), so on CPU it cannot run; the TPU
+  compiler accepts it (tests/test_parallel_expert.py compiles a train step with it for a TPU slice).
+Gradients flow through the exchanges (each all_to_all is the other's transpose; JAX transposes
+ragged_all_to_all into the reverse ragged exchange).
 """
 
 from __future__ import annotations
@@ -67,8 +73,35 @@ def kept_copies(expert_ids: jax.Array, n_experts: int, capacity: int | None) -> 
     return (position < jnp.sum(group_sizes)).reshape(expert_ids.shape)
 
 
+def ragged_block_args(send_counts: jax.Array, recv_counts: jax.Array, slots: int, my_index: jax.Array):
+    """`ragged_all_to_all` arguments for buffers laid out as n blocks of `slots` rows, each holding a
+    filled prefix: my block j (rows [j * slots, j * slots + send_counts[j])) goes to device j, where it
+    lands in block `my_index`; I receive recv_counts[i] rows from device i into my block i.
+
+    Returns (input_offsets, send_sizes, output_offsets, recv_sizes), each [n] int32."""
+    n = send_counts.shape[0]
+    input_offsets = jnp.arange(n, dtype=jnp.int32) * slots
+    output_offsets = jnp.full((n,), my_index * slots, jnp.int32)
+    return input_offsets, send_counts.astype(jnp.int32), output_offsets, recv_counts.astype(jnp.int32)
+
+
+def exchange_blocks(blocks: jax.Array, counts: jax.Array, *, ragged: bool, fill_value=0) -> jax.Array:
+    """Block j of `blocks` [n, slots, ...] to device j over `expert`; returns [n, slots, ...] with block i
+    from device i. Only the first counts[j] rows of block j are meaningful (counts [n] int32). Padded:
+    `all_to_all` of everything (padding rows arrive as sent). Ragged: only the filled rows travel; the
+    rest of the result is `fill_value`."""
+    if not ragged:
+        return jax.lax.all_to_all(blocks, EXPERT_AXIS, 0, 0)
+    n, slots = blocks.shape[:2]
+    recv_counts = jax.lax.all_to_all(counts, EXPERT_AXIS, 0, 0, tiled=True)
+    args = ragged_block_args(counts, recv_counts, slots, jax.lax.axis_index(EXPERT_AXIS))
+    flat = blocks.reshape(n * slots, *blocks.shape[2:])
+    out = jax.lax.ragged_all_to_all(flat, jnp.full_like(flat, fill_value), *args, axis_name=EXPERT_AXIS)
+    return out.reshape(blocks.shape)
+
+
 def _exchange_and_compute(x_local, ids_local, kept_local, w_gate, w_up, w_down, *, top_k: int,
-                          impl: str):
+                          impl: str, ragged: bool):
     """Per device: x_local [T_l, d], ids_local / kept_local [T_l, k], weights [E_l, ...] ->
     outputs of this device's token copies [T_l, k, d] (0 for dropped copies)."""
     n = jax.lax.axis_size(EXPERT_AXIS)
@@ -85,8 +118,9 @@ def _exchange_and_compute(x_local, ids_local, kept_local, w_gate, w_up, w_down, 
     send_x = jnp.zeros((n, slots, d), x_local.dtype).at[dest, slot].set(rows, mode="drop")
     send_e = jnp.full((n, slots), experts_local, jnp.int32).at[dest, slot].set(local_expert,
                                                                                 mode="drop")
-    recv_x = jax.lax.all_to_all(send_x, EXPERT_AXIS, 0, 0)  # [n sources, slots, d]
-    recv_e = jax.lax.all_to_all(send_e, EXPERT_AXIS, 0, 0)
+    send_counts = jnp.sum(onehot, axis=0)  # [n] copies this device sends to each destination
+    recv_x = exchange_blocks(send_x, send_counts, ragged=ragged)  # [n sources, slots, d]
+    recv_e = exchange_blocks(send_e, send_counts, ragged=ragged, fill_value=experts_local)
     flat_e = recv_e.reshape(-1)
     order = jnp.argsort(flat_e, stable=True)  # empty slots (id E_l) sort last: padding rows
     group_sizes = jnp.bincount(flat_e, length=experts_local).astype(jnp.int32)
@@ -95,7 +129,9 @@ def _exchange_and_compute(x_local, ids_local, kept_local, w_gate, w_up, w_down, 
     y_sorted = expert_ffn(x_sorted, w_gate, w_up, w_down, group_sizes, impl=impl,
                           capacity=n * t_local)
     y_recv = jnp.take(y_sorted, jnp.argsort(order), axis=0).reshape(n, slots, d)
-    y_back = jax.lax.all_to_all(y_recv, EXPERT_AXIS, 0, 0)  # [n destinations, slots, d]
+    # Back the way they came: block i holds the copies source i sent, recv_counts[i] of them.
+    recv_counts = jnp.sum(flat_e.reshape(n, slots) < experts_local, axis=1).astype(jnp.int32)
+    y_back = exchange_blocks(y_recv, recv_counts, ragged=ragged)  # [n destinations, slots, d]
     y_copies = y_back.at[dest, slot].get(mode="fill", fill_value=0)
     return y_copies.reshape(t_local, top_k, d)
 
@@ -138,8 +174,8 @@ def expert_parallel_moe(x: jax.Array, token_mask: jax.Array, router_weight: jax.
     token_spec = P(axes if axes else None)
     expert_spec = P(EXPERT_AXIS)
     body = jax.shard_map(
-        lambda *a: _exchange_and_compute(*a, top_k=cfg.top_k,
-                                         impl=resolve_impl(impl or cfg.expert_impl)),
+        lambda *a: _exchange_and_compute(*a, top_k=cfg.top_k, impl=resolve_impl(impl or cfg.expert_impl),
+                                         ragged=cfg.expert_exchange == "ragged"),
         mesh=mesh, in_specs=(token_spec, token_spec, token_spec, expert_spec, expert_spec,
                              expert_spec),
         # Pallas kernels declare output shapes without varying-manual-axes types, which check_vma

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from smelt_jax.descriptors import Parallelism, RunSpec, content_hash
-from smelt_jax.parallel.compile_report import CompileReport, analyse, parse_slice, read_hlo
+from smelt_jax.parallel.compile_report import ANALYSIS_VERSION, CompileReport, analyse, parse_slice, read_hlo, with_accounting
 from smelt_jax.parallel.layout import layout_key
 
 # Bump when the compiled program or the report's fields change: older cache files are then ignored.
@@ -132,7 +132,9 @@ def complete_analysis(run: RunSpec, result: SearchResult, trace_fn: Callable[...
     when a cached report (made before they existed) lacks them: FLOPs by tracing the train step
     (`trace_fn`, e.g. `compile_report.trace_program_flops`: seconds, no compile), collectives from the
     compiled HLO kept next to the cache file (absent for compiles made before HLO was kept: those stay
-    without, until recompiled). The cache file is updated, so this runs once per configuration."""
+    without, until recompiled), the FLOP accounting by one more trace with remat 'none'. Reports
+    analysed by an older ANALYSIS_VERSION are re-analysed from their kept HLO. The cache file is
+    updated, so this runs once per configuration."""
     report = result.report
     if result.chosen is None or report is None:
         return result
@@ -141,7 +143,8 @@ def complete_analysis(run: RunSpec, result: SearchResult, trace_fn: Callable[...
     hlo = hlo_path(path)
     need_flops = report.program_flops is None
     need_hlo = report.executed_collectives is None and hlo.exists()
-    if not (need_flops or need_hlo):
+    stale = report.analysis_version < ANALYSIS_VERSION or report.flops_accounting is None
+    if not (need_flops or need_hlo or stale):
         return result
     by_kind, fill = None, report.pallas_fill or 1.0
     if need_flops:
@@ -152,6 +155,8 @@ def complete_analysis(run: RunSpec, result: SearchResult, trace_fn: Callable[...
         by_kind = {kind: value * devices for kind, value in report.program_flops_by_kind.items()}
     hlo_text = read_hlo(hlo) if hlo.exists() else None
     report = analyse(report, by_kind, hlo_text, pallas_fill=fill)
+    if report.flops_accounting is None:
+        report = with_accounting(report, run, trace_fn)
     _write_cache(path, run, candidate, report)
     return dataclasses.replace(result, report=report)
 
@@ -227,9 +232,19 @@ def _tflop(value: float | None) -> str:
 
 TABLE_HEADER = (
     "| config | slice | layout (data x fsdp x expert x tensor) | remat | args GiB | temps GiB | out GiB "
-    "| args+temps / peak / HBM GiB | TFLOP per device: budget / program (x) | XLA count (x) "
-    "| executed collectives (GiB sent) | step >= s (compute / ICI) | MFU <= | compile s |\n"
-    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    "| args+temps / peak / HBM GiB | TFLOP per device: budget / program (x) | program - budget, per budget FLOP "
+    "| XLA count (x) | executed collectives (GiB sent) | step >= s (compute / ICI) | MFU <= | compile s |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+
+
+ACCOUNTING_SHORT = {"attention_window": "window", "unembedding": "logits", "remat": "remat", "other": "other"}
+
+
+def _accounting(report: CompileReport) -> str:
+    terms = report.flops_accounting
+    if not terms:
+        return "?"
+    return " ".join(f"{short} {terms[key] / terms['budget']:+.2f}" for key, short in ACCOUNTING_SHORT.items())
 
 
 def table_row(result: SearchResult) -> str:
@@ -241,7 +256,7 @@ def table_row(result: SearchResult) -> str:
             over = (f"arguments + temporaries {_gib((r.argument_bytes or 0) + (r.temp_bytes or 0))} GiB "
                     f"> {HBM_HEADROOM:.0%} of HBM")
             reason = f"does not fit: {(r.error or over)[:120]}"
-        return f"| {name} | {result.slice} | {reason} |" + " |" * 11
+        return f"| {name} | {result.slice} | {reason} |" + " |" * 12
     r = result.report
     lay = r.layout
     program = (f"{_tflop(r.budget_flops)} / {_tflop(r.program_flops)}"
@@ -252,7 +267,8 @@ def table_row(result: SearchResult) -> str:
     else:
         executed = f"static: {_collectives(r.collectives)} (HLO not kept)"
     if r.step_seconds is not None:
-        step = f"{r.step_seconds:.2f} ({r.compute_seconds:.2f} / {r.comm_seconds:.2f})"
+        ragged = "" if r.comm_seconds_ragged is None else f"; ragged {r.comm_seconds_ragged:.2f}"
+        step = f"{r.step_seconds:.2f} ({r.compute_seconds:.2f} / {r.comm_seconds:.2f}{ragged})"
         mfu = f"{100 * r.mfu:.0f}%" if r.mfu is not None else "?"
     else:
         step = "?" if r.compute_seconds is None else f"? ({r.compute_seconds:.2f} / ?)"
@@ -260,7 +276,8 @@ def table_row(result: SearchResult) -> str:
     return (f"| {name} | {r.slice} | {lay['data']} x {lay['fsdp']} x {lay['expert']} x {lay['tensor']} "
             f"| {r.remat} | {_gib(r.argument_bytes)} | {_gib(r.temp_bytes)} | {_gib(r.output_bytes)} "
             f"| {_gib((r.argument_bytes or 0) + (r.temp_bytes or 0))} / {_gib(r.peak_bytes)} / "
-            f"{_gib(r.hbm_bytes)} | {program} | {xla} | {executed} | {step} | {mfu} | {r.compile_seconds:.0f} |")
+            f"{_gib(r.hbm_bytes)} | {program} | {_accounting(r)} | {xla} | {executed} | {step} | {mfu} "
+            f"| {r.compile_seconds:.0f} |")
 
 
 def render_table(results: Iterable[SearchResult], command: str) -> str:
@@ -270,11 +287,16 @@ def render_table(results: Iterable[SearchResult], command: str) -> str:
              "configurations compiled and fit. Per-device numbers from the TPU compiler's program "
              "(compiled, never run). **budget** = train_flops_per_token x tokens per step / chips; "
              "**program** = the matmul FLOPs the step executes (jaxpr, loops x trip count, Pallas kernels "
-             "at the rows that carry tokens); **XLA count** = `cost_analysis()` FLOPs, which count each "
+             "at the rows that carry tokens), and the terms that separate the two, as shares of the budget "
+             "(**window**: every [seq, seq] score is computed, 4096 keys not 400; **logits**: the unembedding; "
+             "**remat**: recomputation, measured by tracing with remat none; **other**: the rest, mostly Pallas "
+             "tile padding); **XLA count** = `cost_analysis()` FLOPs, which count each "
              "loop body once (not a work measure). **Executed collectives** per step with loops x trip "
              "count, and the GiB each device sends (all-reduce twice its size). **step >=** = "
              "max(program FLOPs / 459 TFLOP/s, GiB sent / 600 GB/s ICI): a roofline lower bound, so "
-             "**MFU <=** (budget FLOPs / (step x peak)) is an upper bound. Fit = compiler accepted, peak "
+             "**MFU <=** (budget FLOPs / (step x peak)) is an upper bound; 'ragged' projects the ICI time "
+             "if the expert all-to-alls sent only their filled rows (`expert_exchange='ragged'`). "
+             "Fit = compiler accepted, peak "
              f"< HBM, and arguments + temporaries <= {HBM_HEADROOM:.0%} of HBM.")
     lines = [intro, "", TABLE_HEADER]
     lines += [table_row(r) for r in results]
