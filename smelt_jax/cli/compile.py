@@ -3,6 +3,7 @@ compile a run's train step for a TPU slice on this CPU and report memory, FLOPs,
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 
@@ -16,6 +17,8 @@ def cmd_compile(args) -> int:
     if not available:
         raise ValueError(reason)
     run = experiments.find_run(args.id)
+    if args.exchange:
+        run = dataclasses.replace(run, model=run.model.replace(expert_exchange=args.exchange))
     layout = parse_layout(args.layout, run.parallelism) if args.layout else run.parallelism
     report = compile_run(run, args.topology, layout, remat=args.remat)
     print(json.dumps(report.as_dict(), indent=1) if args.json else format_report(report))
@@ -30,6 +33,8 @@ def register(subparsers) -> None:
     p.add_argument("--topology", required=True, help="TPU slice, e.g. v5p-128 (cores) or v5e-256")
     p.add_argument("--layout", help="mesh sizes, e.g. data=-1,fsdp=16,expert=4 (-1 fills the rest)")
     p.add_argument("--remat", choices=("none", "full", "dots", "dots_no_batch"))
+    p.add_argument("--exchange", choices=("padded", "ragged"),
+                   help="expert-parallel token exchange (default: the run's, 'padded')")
     p.add_argument("--json", action="store_true")
     p.set_defaults(handler=cmd_compile)
     register_report(subparsers)

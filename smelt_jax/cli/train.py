@@ -15,6 +15,8 @@ def apply_overrides(run: RunSpec, overrides: list[str]) -> RunSpec:
     (`schedule.peak_lr=1e-3`; bare schedule keys work when the model has no such field). Values
     are JSON (numbers, lists, null) or plain strings. The run's id changes with its content."""
     model, schedule = run.model.to_dict(), run.schedule.to_dict()
+    model_fields = {f.name for f in dataclasses.fields(run.model)}  # to_dict leaves some defaults out
+    schedule_fields = {f.name for f in dataclasses.fields(run.schedule)}
     for item in overrides:
         key, sep, text = item.partition("=")
         if not sep:
@@ -26,9 +28,9 @@ def apply_overrides(run: RunSpec, overrides: list[str]) -> RunSpec:
         section, _, name = key.rpartition(".")
         if section not in ("", "model", "schedule"):
             raise ConfigError(f"override {key!r}: section must be model or schedule")
-        if section in ("", "model") and name in model:
+        if section in ("", "model") and name in model_fields:
             model[name] = value
-        elif section in ("", "schedule") and name in schedule:
+        elif section in ("", "schedule") and name in schedule_fields:
             schedule[name] = value
         else:
             raise ConfigError(f"override {key!r}: no such model or schedule field")
