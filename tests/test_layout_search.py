@@ -111,7 +111,7 @@ def test_table_and_layouts_file_are_deterministic(tmp_path):
 def test_cached_reports_get_program_flops_and_collectives_once(tmp_path):
     from smelt_jax.parallel.compile_report import write_hlo
     from smelt_jax.parallel.program_flops import ProgramFlops
-    from tests.test_program_costs import SYNTHETIC_HLO
+    from tests.hlo_samples import SYNTHETIC_HLO
 
     run = _run("200m/s97/smelt")
     result = ls.search_layout(run, _fake_compiler(lambda p: p.remat == "full", []), cache_dir=tmp_path)
