@@ -126,6 +126,24 @@ def test_hlo_stats_on_a_real_tpu_program_with_collectives_in_a_scan():
     assert summary.flops == pytest.approx(program / 4 / layers, rel=0.05)
 
 
+@pytest.mark.tpu
+def test_xla_step_estimate_counts_a_loop_body_once():
+    """Why the report does not use `optimal_seconds`: a scan of 8 [4096, 4096] matmuls gets about the
+    estimate of one matmul (docs/parallelism.md quotes these two numbers)."""
+    available, reason = aot.libtpu_status()
+    if not available:
+        pytest.skip(reason)
+    mesh = aot.topology_mesh("v5p:2x2x1", (4,), ("x",))
+    a = jax.ShapeDtypeStruct((4096, 4096), jnp.bfloat16, sharding=NamedSharding(mesh, P()))
+    _, one = aot.compile_for_tpu(lambda m: m @ m, (a,), mesh)
+    _, eight = aot.compile_for_tpu(
+        lambda m: jax.lax.scan(lambda c, _: (jnp.tanh(c @ m), None), m, None, length=8)[0], (a,), mesh)
+    print(f"optimal_seconds: one matmul {one.optimal_seconds:.3g}, scan of 8 {eight.optimal_seconds:.3g}")
+    assert eight.program_flops == {"dot_general": 8 * 2 * 4096**3}
+    assert eight.flops < 1.01 * one.flops  # the body's FLOPs once
+    assert one.optimal_seconds < eight.optimal_seconds < 2 * one.optimal_seconds
+
+
 # ------------------------------------------------------------------------------ roofline in the report
 
 

@@ -110,7 +110,7 @@ def fit_lane_tile(dim: int, tile: int) -> int:
     d_model 672 with 512-wide tiles pads to 1024 (x1.52), with 384-wide ones to 768 (x1.14)."""
     if dim <= tile:
         return dim
-    candidates = range(LANE_ALIGN, max(tile, LANE_ALIGN) + 1, LANE_ALIGN)
+    candidates = range(LANE_ALIGN, tile + 1, LANE_ALIGN)  # tile is a validated multiple
     return min(candidates, key=lambda t: (_round_up(dim, t), -t))
 
 

@@ -47,9 +47,6 @@ CHIPS = {
 _TORUS_3D = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8",
              256: "4x8x8", 512: "8x8x8"}
 _GRID_2D = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16", 256: "16x16"}
-COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all",
-               "collective-permute")
-_COLLECTIVE_RE = re.compile(r"=\s*[^=]*?\b(" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,14 +83,6 @@ def parse_slice(name: str) -> Slice:
         raise ValueError(f"TPU slice {name!r}: {chips} chips is not a known {generation} shape "
                          f"({sorted(table)})")
     return Slice(name, generation, chips, f"{generation}:{table[chips]}")
-
-
-def count_collectives(hlo_text: str) -> dict[str, int]:
-    """Collective ops by kind in an HLO module's text (async pairs counted once, by their start)."""
-    counts = {kind: 0 for kind in COLLECTIVES}
-    for match in _COLLECTIVE_RE.finditer(hlo_text):
-        counts[match.group(1)] += 1
-    return {kind: n for kind, n in counts.items() if n}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,7 +168,8 @@ def analyse(report: CompileReport, program_flops_by_kind: dict[str, float] | Non
         ragged = stats.collective_bytes.get("ragged-all-to-all", 0.0)
         send = stats.send_bytes - ragged * (1.0 - pallas_fill)
         padded_a2a = stats.collective_bytes.get("all-to-all", 0.0)
-        fields.update(executed_collectives=stats.collective_counts, collective_bytes=stats.collective_bytes,
+        fields.update(collectives=stats.static_counts, executed_collectives=stats.collective_counts,
+                      collective_bytes=stats.collective_bytes,
                       send_bytes=send, sparsecore_offloads=stats.sparsecore_offloads,
                       comm_seconds=send / tpu.ici_bytes_per_second,
                       comm_seconds_ragged=None if ragged else
@@ -306,7 +296,7 @@ def compile_run(run: RunSpec, slice_name: str, layout: Parallelism | None = None
         compile_seconds=summary.compile_seconds, argument_bytes=summary.argument_bytes,
         output_bytes=summary.output_bytes, temp_bytes=summary.temp_bytes, peak_bytes=peak,
         compiled_flops=summary.flops, budget_flops=program.budget_flops,
-        optimal_seconds=summary.optimal_seconds, collectives=count_collectives(hlo_text))
+        optimal_seconds=summary.optimal_seconds)
     report = analyse(report, summary.program_flops, hlo_text, pallas_fill=_pallas_fill(program))
     return with_accounting(report, run, trace_program_flops)
 
