@@ -130,7 +130,7 @@ def test_schema_rejects_bad_manifests(corrupt, expected):
 
 
 def test_missing_crd_is_a_clear_error(tmp_path):
-    with pytest.raises(FileNotFoundError, match="shared/schemas/jobset"):
+    with pytest.raises(FileNotFoundError, match="reference_data/jobset"):
         jobset_schema(tmp_path / "nope.yaml")
 
 

@@ -68,17 +68,20 @@ def repo_root() -> Path:
     return Path(__file__).resolve().parents[2]
 
 
+# Epoch AI's extraction of Chinchilla's Figure 4 points (source and licence: reference_data/README.md).
+CHINCHILLA_CSV = Path(__file__).resolve().parents[1] / "reference_data" / "chinchilla" / "svg_extracted_data.csv"
+
+
 def chinchilla_table(csv_path=None, drop_highest: int = 5) -> tuple[pd.DataFrame, np.ndarray, int]:
     """Epoch AI's filtered Chinchilla table: (table with N, D, loss; kept original row numbers; rows read).
 
     Drops points with loss >= sorted(loss)[-drop_highest] (Epoch's filter; 240 of 245 points) and derives
     D = C / (6 N).
     """
-    path = Path(csv_path) if csv_path else repo_root().parent / "shared" / "data" / "chinchilla" / \
-        "svg_extracted_data.csv"
+    path = Path(csv_path) if csv_path else CHINCHILLA_CSV
     if not path.exists():
-        raise FileNotFoundError(f"Chinchilla data not found at {path} (expected ../shared/data/chinchilla/ "
-                                "next to the repository; see its README)")
+        raise FileNotFoundError(f"Chinchilla data not found at {path} (it ships as package data in "
+                                "smelt_jax/reference_data/chinchilla/; see that folder's README)")
     raw = pd.read_csv(path)
     loss = raw["loss"].to_numpy(float)
     kept = np.flatnonzero(loss < np.sort(loss)[-drop_highest]) if drop_highest else np.arange(len(raw))

@@ -197,7 +197,7 @@ def write_paper_fits(out_dir) -> list[Path]:
 
 
 CHINCHILLA_DEFINITION = {
-    "data": "../shared/data/chinchilla/svg_extracted_data.csv",
+    "data": "smelt_jax/reference_data/chinchilla/svg_extracted_data.csv",
     "filter": "keep loss < sorted(loss)[-5] (240 of 245 points); D = C / (6 N)",
     "law": "chinchilla",
     "point_estimate": "Huber-density NLL (delta 1e-3, free scale), scipy BFGS from Hoffmann's unrounded values",

@@ -1,7 +1,7 @@
 """Offline validation of rendered JobSet manifests against the upstream JobSet CRD.
 
-The CRD lives outside the repository, at `<repo>/../shared/schemas/jobset/jobset.x-k8s.io_jobsets.yaml`
-(see that folder's README). Its `v1alpha2` openAPIV3Schema is made strict before use: keys with null
+The CRD ships with the package, at `smelt_jax/reference_data/jobset/jobset.x-k8s.io_jobsets.yaml`
+(source, commit and licence in `smelt_jax/reference_data/README.md`). Its `v1alpha2` openAPIV3Schema is made strict before use: keys with null
 values are dropped, and every object that lists `properties` (and says nothing else about extra keys)
 gets `additionalProperties: false`, so a misspelt field fails here rather than being pruned silently
 by the API server.
@@ -13,8 +13,7 @@ import functools
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-JOBSET_CRD = REPO_ROOT.parent / "shared" / "schemas" / "jobset" / "jobset.x-k8s.io_jobsets.yaml"
+JOBSET_CRD = Path(__file__).resolve().parents[1] / "reference_data" / "jobset" / "jobset.x-k8s.io_jobsets.yaml"
 JOBSET_VERSION = "v1alpha2"
 
 
@@ -45,8 +44,8 @@ def jobset_schema(crd_path: Path = JOBSET_CRD) -> dict:
     import yaml
     if not crd_path.is_file():
         raise FileNotFoundError(
-            f"JobSet CRD not found at {crd_path}; it is expected in the shared folder next to the "
-            "repository (shared/schemas/jobset/, see its README)")
+            f"JobSet CRD not found at {crd_path}; it ships as package data "
+            "(smelt_jax/reference_data/jobset/): reinstall the package")
     crd = yaml.safe_load(crd_path.read_text())
     versions = {v["name"]: v for v in crd["spec"]["versions"]}
     if JOBSET_VERSION not in versions:
