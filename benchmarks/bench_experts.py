@@ -1,16 +1,24 @@
-"""Forward + backward of one MoE layer per expert backend on this machine's CPU.
+"""Forward + backward of one MoE layer per expert backend on this machine's CPU, and the dropless CPU
+backends side by side at the issue-17 shape.
 
 Reports medians of tokens/s and achieved GFLOP/s, where the FLOPs are the *useful* ones (router plus
 top_k SwiGLU experts per token, x3 for forward + backward); backends that compute more (dense: every
 expert; capacity: worst-case buffers) show it as a lower rate. The last column compares with a
 2048^2 float32 matmul measured in the same run.
 
-    .venv/bin/python -m benchmarks.bench_experts
+`dropless_table()`: `expert_ffn` forward + backward (gradients of x and the three weights) at
+d_model 256, 16 experts top-2, expert width 256, 8 x 256 tokens, float32: `capacity` with C = T (the
+old CPU default, dropless) against `tiled` at several row tiles, medians of DROPLESS_REPEATS, one
+process, interleaved rounds so that load on the shared machine hits every backend alike.
+
+    .venv/bin/python -m benchmarks.bench_experts             # both tables
+    .venv/bin/python -m benchmarks.bench_experts dropless    # the side-by-side table only
 """
 
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 
 import jax
@@ -18,7 +26,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from smelt_jax.config import ModelConfig
-from smelt_jax.kernels.experts import EXPERT_BACKENDS, _pallas_kernel
+from smelt_jax.kernels.backend import EXPERT_BACKENDS, choose_expert_backend
+from smelt_jax.kernels.experts import expert_ffn
+from smelt_jax.kernels.tiled import tiled_expert_ffn
 from smelt_jax.model.moe import MoE
 
 SIZES = {
@@ -69,7 +79,67 @@ def useful_train_flops(tokens: int, d_model: int, ffn: int, n_experts: int, top_
 
 
 def backends() -> list[str]:
-    return [b for b in EXPERT_BACKENDS if b != "pallas" or _pallas_kernel() is not None]
+    return list(EXPERT_BACKENDS)
+
+
+# The issue-17 configuration: tokens (8 x 256), d_model, expert width, experts, top-k.
+DROPLESS_SHAPE = (8 * 256, 256, 256, 16, 2)
+DROPLESS_TILES = (32, 64, 128, 256)
+DROPLESS_REPEATS = 7
+
+
+def _routed_group_sizes(tokens: int, n_experts: int, top_k: int, seed: int = 0) -> jax.Array:
+    """Group sizes of a random top-k routing (each token picks k distinct experts)."""
+    logits = jax.random.normal(jax.random.key(seed), (tokens, n_experts))
+    ids = jax.lax.top_k(logits, top_k)[1].reshape(-1)
+    return jnp.bincount(ids, length=n_experts).astype(jnp.int32)
+
+
+def dropless_steps() -> dict[str, tuple]:
+    """name -> (jitted fwd+bwd of the expert FFN, its arguments) at DROPLESS_SHAPE."""
+    tokens, d_model, ffn, n_experts, top_k = DROPLESS_SHAPE
+    keys = jax.random.split(jax.random.key(0), 4)
+    x = jax.random.normal(keys[0], (tokens * top_k, d_model), jnp.float32)
+    w_gate = jax.random.normal(keys[1], (n_experts, d_model, ffn)) / d_model ** 0.5
+    w_up = jax.random.normal(keys[2], (n_experts, d_model, ffn)) / d_model ** 0.5
+    w_down = jax.random.normal(keys[3], (n_experts, ffn, d_model)) / ffn ** 0.5
+    sizes = _routed_group_sizes(tokens, n_experts, top_k)
+
+    def step(ffn_call):
+        loss = lambda *w: jnp.sum(jnp.square(ffn_call(*w, sizes)))
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+
+    # The MoE layer's bound: no expert gets more than T rows (dropless).
+    steps = {"capacity (C = T)": step(lambda *a: expert_ffn(*a, impl="capacity", capacity=tokens))}
+    for tile in DROPLESS_TILES:
+        steps[f"tiled, tile {tile}"] = step(
+            lambda *a, tile=tile: tiled_expert_ffn(*a, tile=tile, capacity=tokens))
+    return {name: (fn, (x, w_gate, w_up, w_down)) for name, fn in steps.items()}
+
+
+def dropless_table(repeats: int = DROPLESS_REPEATS) -> str:
+    tokens, d_model, ffn, n_experts, top_k = DROPLESS_SHAPE
+    steps = dropless_steps()
+    for fn, args in steps.values():
+        jax.block_until_ready(fn(*args))  # compile and warm up
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(repeats):  # interleaved: every round times each backend once
+        for name, (fn, args) in steps.items():
+            start = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times[name].append(time.perf_counter() - start)
+    medians = {name: statistics.median(ts) for name, ts in times.items()}
+    flops = 3 * 2 * tokens * top_k * 3 * d_model * ffn  # routed expert FLOPs, fwd + bwd
+    base = medians["capacity (C = T)"]
+    lines = [f"Dropless expert FFN fwd+bwd on CPU ({jax.devices()[0].device_kind}, jax {jax.__version__}): "
+             f"{tokens} tokens x top-{top_k} of {n_experts} experts, d_model {d_model}, width {ffn}, "
+             f"float32; medians of {repeats} interleaved rounds. `auto` on CPU = "
+             f"{choose_expert_backend('auto', 'cpu')}.", "",
+             "| backend | ms | routed GFLOP/s | speed-up over capacity |", "|---|---:|---:|---:|"]
+    for name, seconds in medians.items():
+        lines.append(f"| {name} | {1e3 * seconds:.1f} | {flops / seconds / 1e9:.1f} "
+                     f"| {base / seconds:.2f}x |")
+    return "\n".join(lines)
 
 
 def run() -> str:
@@ -88,8 +158,8 @@ def run() -> str:
                 f"| {size} | {tokens} x {d_model} x {ffn}, {n_experts}/{top_k} | {impl} "
                 f"| {1e3 * s:.1f} | {tokens / s:,.0f} | {flops / s / 1e9:.1f} "
                 f"| {flops / s / 1e9 / peak:.3f} | {s / seconds['capacity']:.2f}x |")
-    return "\n".join(lines)
+    return "\n".join(lines) + "\n\n" + dropless_table()
 
 
 if __name__ == "__main__":
-    print(run())
+    print(dropless_table() if sys.argv[1:] == ["dropless"] else run())

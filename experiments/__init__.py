@@ -6,40 +6,43 @@ Suites: `smelt16` (the paper's 16 matched pairs), `ablations200m` (loop span, de
 
 from __future__ import annotations
 
+import difflib
 import functools
+import importlib
 
 from smelt_jax.descriptors import RunSpec
 
-
-def _builders():
-    import importlib
-    modules = {"smelt16": ("smelt16", "build"), "ablations200m": ("ablations200m", "build"),
-               "micro": ("micro", "build"), "smoke": ("micro", "build_smoke")}
-    out = {}
-    for suite, (module, function) in modules.items():
-        try:
-            out[suite] = getattr(importlib.import_module(f"experiments.{module}"), function)
-        except ModuleNotFoundError:
-            continue
-    return out
-
-
-SUITE_NAMES = ("smelt16", "ablations200m", "micro", "smoke")
+# suite -> (module of this package, builder function). A module that fails to import is an error
+# (with its traceback), never an "unknown suite".
+_BUILDERS = {"smelt16": ("smelt16", "build"), "ablations200m": ("ablations200m", "build"),
+             "micro": ("micro", "build"), "smoke": ("micro", "build_smoke")}
+SUITE_NAMES = tuple(_BUILDERS)
 
 
 @functools.cache
 def load_suite(name: str) -> tuple[RunSpec, ...]:
-    builders = _builders()
-    if name not in builders:
+    if name not in _BUILDERS:
         raise KeyError(f"unknown suite {name!r}; known: {', '.join(SUITE_NAMES)}")
-    return tuple(builders[name]())
+    module, function = _BUILDERS[name]
+    return tuple(getattr(importlib.import_module(f"experiments.{module}"), function)())
 
 
 def find_run(run_id: str) -> RunSpec:
-    """The run with this id in any suite (suite taken from the id's first field when known)."""
+    """The run with this id, or with this unique prefix of an id (`smelt16-200m-s97-smelt`), in any
+    suite (the id's first field names its suite when it is one). A miss lists the nearest ids."""
     suite = run_id.split("-", 1)[0]
-    for name in ([suite] if suite in SUITE_NAMES else SUITE_NAMES):
-        for run in load_suite(name):
-            if run.id == run_id:
-                return run
-    raise KeyError(f"no run with id {run_id!r} (list them with `smelt experiments list`)")
+    runs = [run for name in ([suite] if suite in SUITE_NAMES else SUITE_NAMES) for run in load_suite(name)]
+    exact = [run for run in runs if run.id == run_id]
+    if exact:
+        return exact[0]
+    matches = [run for run in runs if run.id.startswith(run_id)]
+    if len(matches) == 1:
+        return matches[0]
+    if matches:
+        shown = ", ".join(run.id for run in matches[:6]) + (", ..." if len(matches) > 6 else "")
+        raise KeyError(f"{run_id!r} is the start of {len(matches)} run ids ({shown}); give more of it")
+    ids = [run.id for run in (runs if suite in SUITE_NAMES else
+                               [r for name in SUITE_NAMES for r in load_suite(name)])]
+    near = difflib.get_close_matches(run_id, ids, n=3, cutoff=0.5)
+    hint = f"; nearest: {', '.join(near)}" if near else ""
+    raise KeyError(f"no run with id {run_id!r}{hint} (list them with `smelt experiments list`)")

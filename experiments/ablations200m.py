@@ -1,4 +1,4 @@
-"""The paper's ablations at 200M, S~85% (spec §6), every looped or re-shaped model re-matched to the
+"""The paper's ablations at 200M, S~85% (docs/paper.md §6), every looped or re-shaped model re-matched to the
 200M S~85% Baseline's FLOPs, parameters and KV cache.
 
 - `span`: loop span m = 0, 2, ..., 12 of L = 12 layers (0-100%), centred, r = 2.

@@ -7,11 +7,12 @@ rest (head size, head count, KV heads, expert width) against its Baseline's thre
 
 from __future__ import annotations
 
+from experiments.placement import smelt16_layouts
 from smelt_jax import paper
 from smelt_jax.config import ModelConfig, Schedule, smelt_loop
 from smelt_jax.descriptors import Parallelism, RunSpec
 from smelt_jax.matching import SearchGrid, match
-from smelt_jax.parallel.layout import layout_key, load_layouts
+from smelt_jax.parallel.layout import layout_key
 
 SUITE = "smelt16"
 VOCAB = 65_536  # not published; a 64k BPE vocabulary (embeddings are outside every budget)
@@ -52,8 +53,8 @@ def smelt_config(scale: str, sparsity_label: str) -> ModelConfig:
     paper's rows admit no geometry that meets its own totals (docs/budget.md), so only the expert
     count (16) is pinned and the hidden size is searched."""
     i = paper.SPARSITY_LABELS.index(sparsity_label)
-    reference = baseline_config(scale, paper.BASELINE[scale]["experts"][i])
-    row = paper.SMELT[scale]
+    reference = baseline_config(scale, paper.APPENDIX_A_BASELINE[scale]["experts"][i])
+    row = paper.APPENDIX_A_SMELT[scale]
     target = reference.replace(**smelt_loop(reference.n_layers))
     if sparsity_label == "s0":
         return match(reference, target, fixed={"n_experts": row["experts"][i]}).config
@@ -64,13 +65,14 @@ def smelt_config(scale: str, sparsity_label: str) -> ModelConfig:
 
 def build() -> list[RunSpec]:
     # Layouts chosen by ahead-of-time compilation for TPU slices (`make compile-report` writes
-    # experiments/layouts.json; docs/parallelism.md); configurations not compiled yet keep the default.
-    layouts = load_layouts()
+    # experiments/layouts.json; docs/parallelism.md); configurations not compiled yet keep the default
+    # (and get no TPU placement: experiments/placement.py).
+    layouts = smelt16_layouts()
     runs = []
     for scale in paper.SCALES:
         controls = {"baseline": baseline_config(scale, 8), "smelt": smelt_config(scale, "s0")}
         for i, label in enumerate(paper.SPARSITY_LABELS):
-            models = {"baseline": baseline_config(scale, paper.BASELINE[scale]["experts"][i]),
+            models = {"baseline": baseline_config(scale, paper.APPENDIX_A_BASELINE[scale]["experts"][i]),
                       "smelt": smelt_config(scale, label)}
             for arch in ("baseline", "smelt"):
                 runs.append(RunSpec(suite=SUITE, scale=scale, sparsity_label=label, arch=arch,

@@ -13,6 +13,8 @@ import json
 import math
 from typing import Any
 
+from smelt_jax.kernels.backend import EXPERT_IMPLS  # the backend names, defined once (jax-free)
+
 
 class ConfigError(ValueError):
     """A configuration that cannot describe a valid model or schedule."""
@@ -41,9 +43,8 @@ def content_hash(obj: Any, length: int = 8) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:length]
 
 
-EXPERT_IMPLS = ("auto", "dense", "ragged_dot", "megablox", "capacity", "pallas")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
-EXPERT_EXCHANGES = ("padded", "ragged")  # how expert parallelism moves tokens: parallel/expert_parallel.py
+EXPERT_EXCHANGES = ("padded", "ragged")  # how expert parallelism moves tokens: model/expert_exchange.py
 # Fields added after run ids were first published: left out of `to_dict` (and so of every content hash)
 # while they hold these defaults, so existing run ids, cache keys and golden files stay valid.
 _OMITTED_WHEN_DEFAULT = {"expert_exchange": "padded"}

@@ -75,7 +75,7 @@ def execute_notebook(source: Path, *, cwd: Path, timeout: int = 600, write: bool
 def run_all(folder: Path, *, fixture: Path | None = None, timeout: int = 600, write: bool = True,
             names: list[str] | None = None) -> list[tuple[str, float]]:
     """Execute every notebook of `folder` (or those named); returns (name, seconds) per notebook."""
-    from smelt_jax.cli import _default_platform
+    from smelt_jax.platform import pin_cpu_without_accelerator
 
     folder = Path(folder)
     sources = sorted(p for p in folder.glob("*.py") if not p.name.startswith("_"))
@@ -89,7 +89,7 @@ def run_all(folder: Path, *, fixture: Path | None = None, timeout: int = 600, wr
     # The kernels inherit os.environ; it is restored afterwards so a caller (a test) is not changed.
     saved = dict(os.environ)
     try:
-        _default_platform()  # pin JAX to the CPU where there is no accelerator
+        pin_cpu_without_accelerator()  # pin JAX to the CPU where there is no accelerator
         if fixture is not None:
             os.environ.update(fixture_environment(fixture))
         for source in sources:

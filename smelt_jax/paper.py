@@ -1,16 +1,28 @@
-"""Numbers published in the SMELT paper (arXiv 2609.01343), for comparison only.
+"""Numbers published in the SMELT paper (arXiv 2609.01343), for comparison only: the one module that
+types them in.
 
-Nothing here configures a run: descriptors compute their budgets; these are what the paper reports
-(Appendix A, ablations), typed in once so tests and `smelt match` can compare against them.
+Nothing here configures a run or computes anything: descriptors compute their budgets and
+`smelt_jax.scaling` fits laws; these are what the paper reports, so tests, `smelt match` and the
+`fits/paper` tables can compare against them.
+
+- Appendix A (the grid of models): `APPENDIX_A_BASELINE`, `APPENDIX_A_SMELT`, `appendix_a(...)`;
+  the worked example `WORKED_EXAMPLE_FLOPS`; the ablations `ABLATION_LOSS`.
+- The fitted scaling laws (docs/paper.md §7): `BASELINE_LAW`, `SMELT_LAW` (`SmeltLaw` coefficients), `RMSE`,
+  `N_POINTS`, and the CE-gain / tokens-per-parameter tables they are compared against (`CE_GAIN` over
+  `COMPUTES` x `SPARSITIES`, `TPP_1E21`, `GAMMA`, `COMPUTE_RANGE`).
 """
 
 from __future__ import annotations
 
+from smelt_jax.scaling.laws import SmeltLaw
+
 SCALES = ("100m", "200m", "600m", "1.6b")
 SPARSITY_LABELS = ("s0", "s85", "s95", "s97")
 
+# ---------------------------------------------------------------------------------------- Appendix A
+
 # Appendix A, per (scale, sparsity label): billions of non-embedding parameters, S in %.
-BASELINE = {
+APPENDIX_A_BASELINE = {
     "100m": {"d_model": 672, "n_layers": 10, "experts": (8, 64, 192, 336),
              "active": (.100, .100, .101, .102), "sparsity": (0, 86.0, 95.2, 97.2),
              "total": (.10, .71, 2.12, 3.70)},
@@ -25,7 +37,7 @@ BASELINE = {
              "total": (1.63, 10.55, 30.94, 53.89)},
 }
 
-SMELT = {
+APPENDIX_A_SMELT = {
     "100m": {"d_model": (576, 576, 576, 576), "experts": (16, 96, 288, 504),
              "active": (.071, .067, .069, .070), "sparsity": (0, 86.8, 95.5, 97.4),
              "total": (.10, .71, 2.12, 3.70), "flops_ratio": (1.081, 1.024, 1.031, 1.039),
@@ -44,7 +56,7 @@ SMELT = {
              "kv_ratio": (.984, .984, .984, .984)},
 }
 
-# The worked example of spec §3: 200M, S~95%, training FLOPs per token.
+# The worked example of docs/paper.md §3: 200M, S~95%, training FLOPs per token.
 WORKED_EXAMPLE_FLOPS = {"baseline": 1.33e9, "smelt": 1.37e9}
 
 # §6 ablations at 200M, S~85% (validation loss, single runs).
@@ -59,7 +71,7 @@ ABLATION_LOSS = {
 def appendix_a(scale: str, sparsity_label: str, arch: str) -> dict[str, float]:
     """The paper's row for one model: active and total params (B), S (%), and ratios for SMELT."""
     i = SPARSITY_LABELS.index(sparsity_label)
-    table = BASELINE if arch == "baseline" else SMELT
+    table = APPENDIX_A_BASELINE if arch == "baseline" else APPENDIX_A_SMELT
     row = table[scale]
     out = {key: row[key][i] for key in ("active", "total", "sparsity")}
     out["n_experts"] = row["experts"][i]
@@ -70,3 +82,28 @@ def appendix_a(scale: str, sparsity_label: str, arch: str) -> dict[str, float]:
     else:
         out["d_model"] = row["d_model"]
     return out
+
+
+# ------------------------------------------------------------------------------- fitted scaling laws
+
+BASELINE_LAW = SmeltLaw(E=1.4439, A=1.366e3, K=1.975e6, a=0.3703, b=0.1530, c=0.6594)
+SMELT_LAW = SmeltLaw(E=1.4493, A=1.963e3, K=5.264e6, a=0.3892, b=0.1460, c=0.7011)
+RMSE = {"baseline": 0.00554, "smelt": 0.00952}
+N_POINTS = 72
+
+COMPUTES = (1e20, 1e21, 1e22)
+SPARSITIES = (0.85, 0.95, 0.97)
+# CE gain in percent, [low, high] of the 95% cell-bootstrap interval, per (C, S)
+CE_GAIN = {
+    (1e20, 0.85): (10.0, 1, 22), (1e20, 0.95): (7.8, 3, 15), (1e20, 0.97): (6.8, 4, 14),
+    (1e21, 0.85): (18.0, 8, 28), (1e21, 0.95): (15.8, 10, 25), (1e21, 0.97): (14.7, 8, 25),
+    (1e22, 0.85): (23.5, 8, 42), (1e22, 0.95): (20.9, 0, 48), (1e22, 0.97): (19.6, 0, 51),
+}
+# tokens per parameter at 1e21: (Baseline, SMELT)
+TPP_1E21 = {0.85: (56, 56), 0.95: (78, 75), 0.97: (91, 86)}
+GAMMA = {"baseline": 0.237, "smelt": 0.250}
+
+# Approximate fitted compute range C = F D of the 72 sparse endpoints: F ~ 6 x active parameters
+# (docs/paper.md §4: 0.100e9 at 100M S~85%, 1.651e9 at 1.6B S~97%; attention FLOPs ignored), D = 20.5e9 .. 215.6e9
+# (docs/paper.md §5). Used only to flag extrapolation (the paper marks 1e22 as extrapolated).
+COMPUTE_RANGE = (6 * 0.100e9 * 20.5e9, 6 * 1.651e9 * 215.6e9)

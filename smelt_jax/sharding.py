@@ -9,6 +9,7 @@ never needs a mesh; placement reads `nnx.get_partition_spec(state)` and resolves
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 import jax
@@ -63,6 +64,12 @@ def logical_to_mesh(names: LogicalNames, rules=LOGICAL_AXIS_RULES) -> jax.shardi
 def mesh_is_set() -> bool:
     """True inside `jax.set_mesh(mesh)` (or `with mesh:`) with a non-empty mesh."""
     return not jax.sharding.get_abstract_mesh().empty
+
+
+def current_mesh() -> jax.sharding.AbstractMesh | None:
+    """The mesh being traced under (`jax.set_mesh(mesh)`, as an AbstractMesh), or None when none is set."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return None if mesh.empty else mesh
 
 
 def constrain(x: jax.Array, names: LogicalNames) -> jax.Array:
@@ -139,7 +146,12 @@ def make_mesh(parallelism, devices=None) -> jax.sharding.Mesh:
     axis_types = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
     try:  # topology-aware device order (ICI rings) where JAX knows the hardware
         return jax.make_mesh(shape, MESH_AXES, axis_types=axis_types, devices=devices)
-    except (ValueError, NotImplementedError, AssertionError):
+    except (ValueError, NotImplementedError, AssertionError) as error:
+        warnings.warn(
+            f"jax.make_mesh could not lay out the mesh {dict(zip(MESH_AXES, shape))} over "
+            f"{len(devices)} {devices[0].device_kind} devices ({type(error).__name__}: {error}); using "
+            "the devices in their listed order instead, which may not follow the interconnect "
+            "topology (collectives can be slower)", RuntimeWarning, stacklevel=2)
         return jax.sharding.Mesh(np.array(devices).reshape(shape), MESH_AXES, axis_types=axis_types)
 
 

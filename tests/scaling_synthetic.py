@@ -3,9 +3,9 @@
 import numpy as np
 import pandas as pd
 
-from smelt_jax.scaling import paper
+from smelt_jax import paper
 
-# per-token FLOPs of the four scales and the six horizons (tokens) of spec §4-§5
+# per-token FLOPs of the four scales and the six horizons (tokens) of docs/paper.md §4-§5
 FLOPS = (6.0e8, 1.24e9, 4.0e9, 9.8e9)
 SPARSITY = (0.85, 0.95, 0.97)
 HORIZONS = (20.5e9, 31.0e9, 62.4e9, 114.9e9, 167.3e9, 215.6e9)
@@ -24,5 +24,5 @@ def smelt_table(law, arch: str, noise: float, seed: int) -> pd.DataFrame:
 
 
 def paper_pair_table(noise: float = 0.003, seed: int = 0) -> pd.DataFrame:
-    return pd.concat([smelt_table(paper.BASELINE, "baseline", noise, seed),
-                      smelt_table(paper.SMELT, "smelt", noise, seed + 1)], ignore_index=True)
+    return pd.concat([smelt_table(paper.BASELINE_LAW, "baseline", noise, seed),
+                      smelt_table(paper.SMELT_LAW, "smelt", noise, seed + 1)], ignore_index=True)

@@ -3,21 +3,22 @@ step for a TPU topology (skips, saying why, only when libtpu cannot be loaded)."
 
 import pytest
 
-from smelt_jax import aot
+from smelt_jax.compile import aot
+from smelt_jax.compile import report as cr
+from smelt_jax.compile.hlo_stats import hlo_stats
 from smelt_jax.descriptors import Parallelism
-from smelt_jax.parallel import compile_report as cr
-from smelt_jax.parallel.hlo_stats import hlo_stats
+from smelt_jax.hardware import parse_slice
 
 
 def test_slice_names_map_to_chips_and_topologies():
-    v5p = cr.parse_slice("v5p-128")
-    assert (v5p.chips, v5p.topology, v5p.hbm_bytes) == (64, "v5p:4x4x4", 95 * 2**30)
-    assert cr.parse_slice("v5e-256").topology == "v5e:16x16"
-    assert cr.parse_slice("v5litepod-4").topology == "v5e:2x2"
+    v5p = parse_slice("v5p-128")
+    assert (v5p.chips, v5p.topology_desc, v5p.hbm_bytes) == (64, "v5p:4x4x4", 95 * 2**30)
+    assert parse_slice("v5e-256").topology_desc == "v5e:16x16"
+    assert parse_slice("v5litepod-4").topology_desc == "v5e:2x2"
     with pytest.raises(ValueError, match="want e.g."):
-        cr.parse_slice("v5p128")
+        parse_slice("v5p128")
     with pytest.raises(ValueError, match="not a known"):
-        cr.parse_slice("v5p-6")
+        parse_slice("v5p-6")
 
 
 def test_collectives_are_counted_by_kind():
@@ -44,7 +45,7 @@ def test_micro_train_step_compiles_for_a_tpu_slice():
     run = next(r for r in experiments.load_suite("smoke") if r.arch == "smelt")
     report = cr.compile_run(run, "v5e-4", Parallelism(data=2, fsdp=2))
     print(cr.format_report(report))
-    assert report.fits and report.error is None
+    assert report.peak_fits_hbm and report.error is None
     assert 0 < report.peak_bytes < report.hbm_bytes
     assert report.argument_bytes > 0 and report.compiled_flops > 0 and report.budget_flops > 0
     # data x fsdp: gradients are reduced and FSDP parameters gathered across devices

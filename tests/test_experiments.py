@@ -4,6 +4,7 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -102,6 +103,19 @@ def test_cli_list_json(capsys):
         assert key in row["budget"]
 
 
+GOLDEN_LIST = Path(__file__).parent / "golden" / "experiments_list.json"
+
+
+def test_every_suite_lists_as_before(capsys):
+    """Run ids and descriptors of every suite are unchanged: `smelt experiments list --json` for all
+    suites against the listing taken before the restructuring of issue 13 (tests/golden/)."""
+    assert cli_main(["experiments", "list", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    golden = json.loads(GOLDEN_LIST.read_text())
+    assert [r["id"] for r in rows] == [r["id"] for r in golden]
+    assert rows == golden
+
+
 def test_cli_match_shows_the_worked_example(capsys):
     smelt = _pairs("smelt16")["smelt16-200m-s95"]["smelt"]
     assert cli_main(["match", smelt.id]) == 0
@@ -115,3 +129,25 @@ def test_cli_bad_ids_give_one_line_and_exit_2(argv, capsys):
     assert cli_main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("smelt: error:") and err.count("\n") == 1
+
+
+def test_run_ids_accept_a_unique_prefix_and_a_miss_names_the_nearest():
+    from experiments import find_run, load_suite
+
+    full = next(r for r in load_suite("smelt16") if r.scale == "200m" and r.sparsity_label == "s97"
+                and r.arch == "smelt")
+    assert find_run("smelt16-200m-s97-smelt") is full
+    assert find_run(full.id) is full
+    with pytest.raises(KeyError, match="start of 2 run ids"):
+        find_run("smelt16-200m-s97")
+    with pytest.raises(KeyError, match="nearest: ") as miss:
+        find_run("smelt16-200m-s97-smelt-00000000")
+    assert full.id in str(miss.value)
+
+
+def test_cli_prefix_and_miss(capsys):
+    assert cli_main(["budget", "smelt16-200m-s97-smelt"]) == 0
+    assert "smelt16-200m-s97-smelt-" in capsys.readouterr().out
+    assert cli_main(["budget", "smelt16-200m-s97-smelt-00000000"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "nearest" in err

@@ -7,14 +7,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from smelt_jax.kernels import expert_ffn, resolve_impl
-from smelt_jax.kernels import experts as experts_module
+from smelt_jax.kernels.backend import EXPERT_BACKENDS, EXPERT_IMPLS, choose_expert_backend
+from smelt_jax.kernels.experts import expert_ffn
+from smelt_jax.kernels.tiled import tile_count, tiled_expert_ffn
 
 N_EXPERTS, D_MODEL, FFN = 5, 24, 40
-ROWS = 37  # not a multiple of any tile (megablox pads to 8 / 128)
-BACKENDS = ["ragged_dot", "megablox", "capacity"]
-if experts_module._pallas_kernel() is not None:
-    BACKENDS.append("pallas")
+ROWS = 37  # not a multiple of any tile (megablox pads to 8 / 128, tiled to 40 / its tile)
+BACKENDS = [b for b in EXPERT_BACKENDS if b != "dense"]  # every backend, against the reference
 
 GROUPS = {
     "random_with_empty_expert_and_padding": [9, 0, 11, 4, 8],  # sum 32 < 37: 5 padding rows
@@ -102,25 +101,73 @@ def test_capacity_backend_with_tight_bound_matches_dense():
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("tile,capacity", [(8, None), (16, 11), (32, None), (8, 37)])
+def test_tiled_backend_at_other_tiles_and_bounds_matches_dense(tile, capacity):
+    """Tiles smaller than, near and above the groups, with and without the caller's bound; the
+    static tile count really bounds the tiles used (odd sizes: every group needs a partial tile)."""
+    arrays, cotangent = _inputs(jnp.float32, seed=3)
+    for case, sizes in GROUPS.items():
+        if capacity is not None and max(sizes) > capacity:
+            continue  # the bound is a promise of the caller's
+        group_sizes = jnp.array(sizes, jnp.int32)
+        assert sum(-(-g // tile) for g in sizes) <= tile_count(ROWS, N_EXPERTS, tile, capacity), case
+
+        def loss(impl, *a, group_sizes=group_sizes):
+            if impl == "dense":
+                out = expert_ffn(*a, group_sizes, impl="dense")
+            else:
+                out = tiled_expert_ffn(*a, group_sizes, tile=tile, capacity=capacity)
+            return jnp.sum(out * cotangent)
+
+        want = jax.grad(functools.partial(loss, "dense"), argnums=(0, 1, 2, 3))(*arrays)
+        got = jax.grad(functools.partial(loss, "tiled"), argnums=(0, 1, 2, 3))(*arrays)
+        for name, g, w in zip(("x", "w_gate", "w_up", "w_down"), got, want):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5,
+                                       err_msg=f"{case}: d{name}")
+        out = tiled_expert_ffn(*arrays, group_sizes, tile=tile, capacity=capacity)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(expert_ffn(*arrays, group_sizes,
+                                                                          impl="dense")),
+                                   rtol=1e-5, atol=1e-5, err_msg=case)
+
+
+def test_tile_count_bound_is_tight_for_the_worst_split():
+    # 5 experts, tile 8, 37 rows: sizes 1, 1, 1, 1, 33 need 1 + 1 + 1 + 1 + 5 = 9 tiles
+    assert tile_count(37, 5, 8) == 9 and sum(-(-g // 8) for g in (1, 1, 1, 1, 33)) == 9
+    assert tile_count(37, 5, 8, capacity=4) == 5  # every group fits one tile
+
+
+class _Mesh:
+    """The attributes of a (abstract) mesh that the backend decision reads."""
+
+    def __init__(self, **shape):
+        self.shape, self.empty = shape, not shape
+        self.size = int(np.prod(list(shape.values()))) if shape else 0
+
+
 def test_auto_picks_by_platform():
-    assert resolve_impl("auto", "cpu") == "capacity"
-    assert resolve_impl("auto", "gpu") == "ragged_dot"
-    assert resolve_impl("auto", "tpu") in ("pallas", "megablox")
-    assert resolve_impl("dense", "tpu") == "dense"
+    assert choose_expert_backend("auto", "cpu") == "tiled"
+    assert choose_expert_backend("auto", "gpu") == "ragged_dot"
+    assert choose_expert_backend("auto", "cuda") == "ragged_dot"
+    assert choose_expert_backend("auto", "tpu") == "pallas"
+    assert choose_expert_backend("dense", "tpu") == "dense"
+    assert set(EXPERT_IMPLS) == {"auto", *EXPERT_BACKENDS}
     with pytest.raises(ValueError, match="expert impl"):
-        resolve_impl("nope")
+        choose_expert_backend("nope")
 
 
-def test_pallas_is_wired_lazily():
-    arrays, _ = _inputs(jnp.float32)
-    sizes = jnp.array(GROUPS["no_padding"], jnp.int32)
-    if experts_module._pallas_kernel() is None:
-        with pytest.raises(ImportError, match="pallas_expert_ffn"):
-            expert_ffn(*arrays, sizes, impl="pallas")
-    else:
-        np.testing.assert_allclose(np.asarray(expert_ffn(*arrays, sizes, impl="pallas")),
-                                   np.asarray(expert_ffn(*arrays, sizes, impl="dense")),
-                                   rtol=1e-5, atol=1e-5)
+def test_mosaic_backends_leave_gspmd_meshes_to_ragged_dot():
+    """Mosaic kernels cannot be partitioned by GSPMD: on a multi-device mesh without an `expert` axis
+    they become ragged_dot; with an expert axis they run per device inside the shard_map."""
+    gspmd, expert_parallel = _Mesh(data=2, fsdp=4, expert=1), _Mesh(data=2, expert=4)
+    one_device = _Mesh(data=1, fsdp=1, expert=1)
+    for requested in ("auto", "pallas", "megablox"):
+        assert choose_expert_backend(requested, "tpu", gspmd) == "ragged_dot"
+        assert choose_expert_backend(requested, "tpu", expert_parallel) != "ragged_dot"
+        assert choose_expert_backend(requested, "tpu", one_device) != "ragged_dot"
+        assert choose_expert_backend(requested, "tpu", None) != "ragged_dot"
+    assert choose_expert_backend("auto", "tpu", expert_parallel) == "pallas"
+    assert choose_expert_backend("auto", "cpu", gspmd) == "tiled"  # XLA backends partition
+    assert choose_expert_backend("capacity", "tpu", gspmd) == "capacity"
 
 
 def test_bad_shapes_are_rejected():

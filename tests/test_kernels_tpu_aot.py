@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from smelt_jax import aot
+from smelt_jax.compile import aot
 from smelt_jax.kernels.gmm import gmm, resolve_interpret, tgmm
 from smelt_jax.kernels.pallas_ffn import pallas_expert_ffn
 

@@ -7,17 +7,21 @@ import json
 import pytest
 
 import experiments
-from smelt_jax import aot, sharding
+from experiments.placement import LAYOUTS_FILE, SMELT16_POLICY
+from smelt_jax import sharding
+from smelt_jax.compile import aot
+from smelt_jax.compile import layout_search as ls
+from smelt_jax.compile import report as cr
+from smelt_jax.compile.candidates import REMAT_ORDER
 from smelt_jax.descriptors import Parallelism
-from smelt_jax.parallel import compile_report as cr
-from smelt_jax.parallel import layout_search as ls
-from smelt_jax.parallel.layout import LAYOUTS_FILE, layout_key, load_layouts
+from smelt_jax.hardware import parse_slice
+from smelt_jax.parallel.layout import layout_key, load_layouts, run_key
 
 SMELT16 = experiments.load_suite("smelt16")
 
 
 def _run(key):
-    return next(r for r in SMELT16 if ls.run_key(r) == key)
+    return next(r for r in SMELT16 if run_key(r) == key)
 
 
 def _fake_compiler(fits_when, calls):
@@ -28,7 +32,7 @@ def _fake_compiler(fits_when, calls):
         return cr.CompileReport(
             run_id=run.id, slice=slice_name, layout={"data": layout.data, "fsdp": layout.fsdp,
                                                      "expert": layout.expert, "tensor": layout.tensor},
-            remat=remat, expert_impl="pallas", fits=fits,
+            remat=remat, expert_impl="pallas", peak_fits_hbm=fits,
             error=None if fits else "RESOURCE_EXHAUSTED: exceeds available HBM", compile_seconds=1.0,
             argument_bytes=2**30, output_bytes=2**30, temp_bytes=3 * 2**30,
             peak_bytes=4 * 2**30 if fits else None, hbm_bytes=95 * 2**30, compiled_flops=3e13,
@@ -38,10 +42,10 @@ def _fake_compiler(fits_when, calls):
 
 def test_candidates_split_experts_evenly_and_fill_the_slice():
     for run in SMELT16:
-        slice_name = ls.SCALE_SLICES[run.scale]
-        chips = cr.parse_slice(slice_name).chips
-        cands = ls.candidates(run, slice_name)
-        assert [c.layout.remat for c in cands] == list(ls.REMAT_ORDER)
+        slice_name = SMELT16_POLICY.slice_for(run)
+        chips = parse_slice(slice_name).chips
+        cands = ls.candidates(run, slice_name, SMELT16_POLICY.expert_axis_sizes)
+        assert [c.layout.remat for c in cands] == list(REMAT_ORDER)
         for c in cands:
             p = c.layout
             assert run.model.n_experts % p.expert == 0 and p.expert > 1  # Pallas needs the shard_map path
@@ -54,12 +58,12 @@ def test_search_keeps_the_first_fitting_candidate_and_resumes_from_the_cache(tmp
     run = _run("200m/s97/smelt")
     calls = []
     compile_fn = _fake_compiler(lambda p: p.remat == "full", calls)
-    first = ls.search_layout(run, compile_fn, cache_dir=tmp_path)
+    first = ls.search_layout(run, compile_fn, SMELT16_POLICY, cache_dir=tmp_path)
     assert first.status == "fits" and first.chosen.remat == "full"
     assert [remat for _, remat in calls] == ["none", "dots", "full"]
     assert [outcome.split(" ")[0] for _, outcome in first.tried] == ["out", "out", "fits"]
     # A second report run compiles nothing and gives the same answer.
-    again = ls.search_layout(run, compile_fn, cache_dir=tmp_path)
+    again = ls.search_layout(run, compile_fn, SMELT16_POLICY, cache_dir=tmp_path)
     assert len(calls) == 3 and again.chosen == first.chosen and again.report == first.report
     assert all(outcome.endswith("(cached)") for _, outcome in again.tried)
 
@@ -73,7 +77,7 @@ def test_a_layout_the_compiler_accepts_but_without_headroom_is_not_chosen(tmp_pa
         temps = int(0.96 * r.hbm_bytes) - r.argument_bytes if remat != "full" else r.temp_bytes
         return dataclasses.replace(r, temp_bytes=temps)
 
-    result = ls.search_layout(run, tight, cache_dir=tmp_path)
+    result = ls.search_layout(run, tight, SMELT16_POLICY, cache_dir=tmp_path)
     assert result.chosen.remat == "full"
     assert [o.split(" (")[0] for _, o in result.tried] == ["over 95% of HBM", "over 95% of HBM", "fits"]
 
@@ -81,20 +85,21 @@ def test_a_layout_the_compiler_accepts_but_without_headroom_is_not_chosen(tmp_pa
 def test_skipped_configurations_are_reported_without_numbers(tmp_path):
     run = _run("1.6b/s97/baseline")
     calls = []
-    result = ls.search_layout(run, _fake_compiler(lambda p: True, calls), cache_dir=tmp_path,
+    result = ls.search_layout(run, _fake_compiler(lambda p: True, calls), SMELT16_POLICY, cache_dir=tmp_path,
                               skip_reason="time budget of 10 s spent")
     assert calls == [] and result.chosen is None
     assert result.status == "not compiled (time budget of 10 s spent)"
     row = ls.table_row(result)
     assert "not compiled (time budget of 10 s spent)" in row and "GiB" not in row
     assert not any(ch.isdigit() for ch in row.split("|")[4])  # no invented memory figure
-    nofit = ls.search_layout(run, _fake_compiler(lambda p: False, []), cache_dir=tmp_path)
+    nofit = ls.search_layout(run, _fake_compiler(lambda p: False, []), SMELT16_POLICY, cache_dir=tmp_path)
     assert nofit.status == "does not fit" and "RESOURCE_EXHAUSTED" in ls.table_row(nofit)
 
 
 def test_table_and_layouts_file_are_deterministic(tmp_path):
     runs = [_run("200m/s97/smelt"), _run("100m/s0/baseline")]
-    results = [ls.search_layout(r, _fake_compiler(lambda p: p.remat == "dots", []), cache_dir=tmp_path)
+    results = [ls.search_layout(r, _fake_compiler(lambda p: p.remat == "dots", []), SMELT16_POLICY,
+                                cache_dir=tmp_path)
                for r in runs]
     doc = ls.layouts_document(results, "smelt16")
     assert doc == ls.layouts_document(list(reversed(results)), "smelt16")
@@ -109,12 +114,13 @@ def test_table_and_layouts_file_are_deterministic(tmp_path):
 
 
 def test_cached_reports_get_program_flops_and_collectives_once(tmp_path):
-    from smelt_jax.parallel.compile_report import write_hlo
-    from smelt_jax.parallel.program_flops import ProgramFlops
+    from smelt_jax.compile.program_flops import ProgramFlops
+    from smelt_jax.compile.report import write_hlo
     from tests.hlo_samples import SYNTHETIC_HLO
 
     run = _run("200m/s97/smelt")
-    result = ls.search_layout(run, _fake_compiler(lambda p: p.remat == "full", []), cache_dir=tmp_path)
+    result = ls.search_layout(run, _fake_compiler(lambda p: p.remat == "full", []), SMELT16_POLICY,
+                              cache_dir=tmp_path)
     path = ls.cache_path(run, ls.Candidate(result.chosen), tmp_path)
     write_hlo(ls.hlo_path(path), SYNTHETIC_HLO)
     traced = []
@@ -127,7 +133,7 @@ def test_cached_reports_get_program_flops_and_collectives_once(tmp_path):
     assert traced == ["full", "none"] and done.report.program_flops == 40e12  # "none": the remat term
     assert done.report.executed_collectives == {"all-gather": 12, "all-reduce": 12, "all-to-all": 1}
     assert done.report.mfu == pytest.approx(20e12 / 40e12)  # compute-bound: budget / program
-    again = ls.search_layout(run, _fake_compiler(lambda p: True, []), cache_dir=tmp_path)
+    again = ls.search_layout(run, _fake_compiler(lambda p: True, []), SMELT16_POLICY, cache_dir=tmp_path)
     assert again.report.program_flops == 40e12  # written back to the cache
     assert ls.complete_analysis(run, again, trace_fn, tmp_path).report == again.report
     assert traced == ["full", "none"]  # nothing traced again
@@ -136,7 +142,7 @@ def test_cached_reports_get_program_flops_and_collectives_once(tmp_path):
 
 
 def test_committed_layouts_are_valid_parallelism_for_their_slice():
-    layouts = load_layouts()
+    layouts = load_layouts(LAYOUTS_FILE)
     if not LAYOUTS_FILE.exists():
         pytest.fail(f"{LAYOUTS_FILE} missing: run `make compile-report`")
     raw = json.loads(LAYOUTS_FILE.read_text())
@@ -145,7 +151,7 @@ def test_committed_layouts_are_valid_parallelism_for_their_slice():
     for key, layout in layouts.items():
         assert key in keys, key
         assert set(raw["layouts"][key]) == set(Parallelism.__dataclass_fields__)
-        tpu = cr.parse_slice(layout.tpu_type)
+        tpu = parse_slice(layout.tpu_type)
         assert layout.remat in ("none", "full", "dots", "dots_no_batch")
         assert keys[key].model.n_experts % layout.expert == 0
         assert keys[key].model.d_model % layout.fsdp == 0
@@ -156,8 +162,8 @@ def test_committed_layouts_are_valid_parallelism_for_their_slice():
     if not available:
         pytest.skip(f"mesh shapes checked; make_mesh over TPU devices needs libtpu: {reason}")
     for layout in layouts.values():
-        tpu = cr.parse_slice(layout.tpu_type)
-        mesh = sharding.make_mesh(layout, aot.tpu_topology(tpu.topology).devices)
+        tpu = parse_slice(layout.tpu_type)
+        mesh = sharding.make_mesh(layout, aot.tpu_topology(tpu.topology_desc).devices)
         assert mesh.size == tpu.chips and mesh.shape["expert"] == layout.expert
 
 
@@ -169,11 +175,11 @@ def test_acceptance_pairs_compile_for_their_chosen_slices(key):
     available, reason = aot.libtpu_status()
     if not available:
         pytest.skip(reason)
-    layout = load_layouts().get(key)
+    layout = load_layouts(LAYOUTS_FILE).get(key)
     assert layout is not None, f"{key} has no layout in {LAYOUTS_FILE}"
     report = cr.compile_run(_run(key), layout.tpu_type, layout)
     print(cr.format_report(report))
-    assert report.fits and report.error is None and ls.fits(report)
+    assert report.peak_fits_hbm and report.error is None and ls.fits_with_headroom(report)
     assert 0 < report.peak_bytes < report.hbm_bytes
     assert report.argument_bytes + report.temp_bytes <= ls.HBM_HEADROOM * report.hbm_bytes
     assert report.collectives.get("all-to-all", 0) > 0  # experts exchanged over the expert axis
@@ -186,3 +192,31 @@ def test_tpu_expert_backend_is_pallas_only_where_the_shard_map_path_runs():
     assert cr._tpu_config(run, "full", with_experts).expert_impl == "pallas"
     assert cr._tpu_config(run, "full", without).expert_impl == "ragged_dot"  # GSPMD must partition it
     assert cr._tpu_config(run, "dots", with_experts).remat == "dots"
+
+
+def test_compile_suite_is_resumable_and_writes_the_table_and_layouts(tmp_path):
+    from smelt_jax.compile.program_flops import ProgramFlops
+
+    runs = [_run("100m/s0/baseline"), _run("200m/s97/smelt")]
+    calls, lines = [], []
+    compile_fn = _fake_compiler(lambda p: p.remat == "dots", calls)
+
+    def trace_fn(run_, slice_name, layout, remat):
+        return ProgramFlops(64 * 40e12, {"dot_general": 64 * 40e12}, 0, 0), 1.0
+
+    md, layouts = tmp_path / "p.md", tmp_path / "layouts.json"
+    report = ls.compile_suite(runs, SMELT16_POLICY, suite="smelt16", cache_dir=tmp_path / "cache",
+                              markdown_out=md, json_out=layouts, compile_fn=compile_fn,
+                              trace_fn=trace_fn, libtpu=(True, ""), log=lines.append)
+    assert report.fitted == 2 and [r.key for r in report.results] == ["100m/s0/baseline", "200m/s97/smelt"]
+    assert lines[0].startswith("[1/2] 200m/s97/smelt on v5p-128")  # the priority order
+    assert len(calls) == 4 and report.written == (md, layouts)
+    assert "smelt compile-report --suite smelt16 --out" in md.read_text()
+    first = layouts.read_text()
+    # Without libtpu nothing compiles: the cache alone gives the same layouts.
+    again = ls.compile_suite(runs, SMELT16_POLICY, suite="smelt16", cache_dir=tmp_path / "cache",
+                             json_out=layouts, compile_fn=compile_fn, trace_fn=trace_fn,
+                             libtpu=(False, "no libtpu here"))
+    assert len(calls) == 4 and layouts.read_text() == first and again.summary().startswith("2 of 2")
+    with pytest.raises(ValueError, match="not a scale or key"):
+        ls.compile_suite(runs, SMELT16_POLICY, suite="smelt16", only=["9b"], libtpu=(False, ""))

@@ -6,7 +6,8 @@ import numpy as np
 from flax import nnx
 
 from smelt_jax.config import ModelConfig
-from smelt_jax.model.moe import MoE, expert_capacity
+from smelt_jax.model.dispatch import expert_capacity
+from smelt_jax.model.moe import MoE
 from smelt_jax.model.router import route
 
 CFG = ModelConfig(vocab=64, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=8,

@@ -1,6 +1,6 @@
-"""The expert-parallel MoE (shard_map + all_to_all over `expert`) against the unsharded MoE layer:
-outputs, statistics and gradients, on random routing, an empty expert, every token on the same
-experts, odd token counts and capacity drops."""
+"""The MoE layer's expert-parallel strategy (shard_map + all_to_all over `expert`, taken under a mesh
+with an `expert` axis) against the same layer without a mesh: outputs, statistics and gradients, on
+random routing, an empty expert, every token on the same experts, odd token counts and capacity drops."""
 
 import dataclasses
 
@@ -13,8 +13,10 @@ from flax import nnx
 from smelt_jax import sharding
 from smelt_jax.config import ModelConfig
 from smelt_jax.descriptors import Parallelism
+from smelt_jax.model import moe as moe_module
+from smelt_jax.model.dispatch import kept_copies
+from smelt_jax.model.expert_exchange import exchanged_expert_outputs
 from smelt_jax.model.moe import MoE
-from smelt_jax.parallel.expert_parallel import expert_parallel_moe, kept_copies
 
 CFG = ModelConfig(vocab=64, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=8,
                   n_experts=8, top_k=2, expert_ffn=12, seq_len=16, expert_impl="capacity")
@@ -85,20 +87,19 @@ def test_expert_parallel_moe_matches_the_unsharded_layer(layout, b, s, routing, 
     x, mask, cotangent = _inputs(b, s, routing)
     mesh = sharding.make_mesh(Parallelism(**layout))
 
-    def reference(state, x):
+    def objective(state, x):  # the one MoE layer; under the mesh it takes the exchange strategy
         y, stats = nnx.merge(graphdef, state)(x, mask)
         return _objective(y, stats, cotangent), (y, stats)
 
-    def sharded(state, x):
-        y, stats = expert_parallel_moe(x, mask, state["router"]["weight"][...], state["w_gate"][...],
-                                       state["w_up"][...], state["w_down"][...], cfg)
-        return _objective(y, stats, cotangent), (y, stats)
-
-    (ref_value, (ref_y, ref_stats)), ref_grads = jax.value_and_grad(reference, (0, 1), has_aux=True)(
+    (ref_value, (ref_y, ref_stats)), ref_grads = jax.value_and_grad(objective, (0, 1), has_aux=True)(
         state, x)
+    calls = []
+    monkeypatch.setattr(moe_module, "exchanged_expert_outputs",
+                        lambda *a, **k: calls.append(k) or exchanged_expert_outputs(*a, **k))
     with jax.set_mesh(mesh):
-        (value, (y, stats)), grads = jax.jit(jax.value_and_grad(sharded, (0, 1), has_aux=True))(
+        (value, (y, stats)), grads = jax.jit(jax.value_and_grad(objective, (0, 1), has_aux=True))(
             state, x)
+    assert calls and calls[0]["ragged"] == (exchange == "ragged")  # the exchange strategy really ran
     if routing == "empty_expert":
         assert float(ref_stats["counts"][5]) == 0.0
     if routing == "one_expert":
@@ -119,8 +120,8 @@ def test_expert_parallel_moe_matches_the_unsharded_layer(layout, b, s, routing, 
 def test_the_ragged_exchange_compiles_for_a_tpu_slice():
     """The real ragged-all-to-all (and JAX's transpose of it, in the backward pass) in a micro train
     step, compiled by the TPU compiler: it is accepted, and it replaces the padded all-to-alls."""
-    from smelt_jax import aot
-    from smelt_jax.parallel import compile_report as cr
+    from smelt_jax.compile import aot
+    from smelt_jax.compile import report as cr
 
     available, reason = aot.libtpu_status()
     if not available:
@@ -132,7 +133,7 @@ def test_the_ragged_exchange_compiles_for_a_tpu_slice():
     padded = cr.compile_run(run, "v5p-8", layout, remat="full")
     ragged_run = dataclasses.replace(run, model=run.model.replace(expert_exchange="ragged"))
     ragged = cr.compile_run(ragged_run, "v5p-8", layout, remat="full")
-    assert padded.fits and ragged.fits
+    assert padded.peak_fits_hbm and ragged.peak_fits_hbm
     assert ragged.collectives.get("ragged-all-to-all", 0) > 0
     assert ragged.collectives.get("all-to-all", 0) < padded.collectives["all-to-all"]
 
@@ -155,11 +156,9 @@ def test_kept_copies_marks_what_the_capacity_drops():
 
 
 def test_experts_must_split_over_the_expert_axis():
-    _graphdef, _state = _layer(CFG, "random")
+    bad = dataclasses.replace(CFG, n_experts=6)
+    moe = MoE(bad, rngs=nnx.Rngs(0))
     x, mask, _ = _inputs(2, 4, "random")
-    cfg = dataclasses.replace(CFG, n_experts=8)
     mesh = sharding.make_mesh(Parallelism(data=1, expert=8))
-    bad = dataclasses.replace(cfg, n_experts=6)
-    with pytest.raises(ValueError, match="do not split"):
-        expert_parallel_moe(x, mask, jnp.zeros((16, 6)), jnp.zeros((6, 16, 12)), jnp.zeros((6, 16, 12)),
-                            jnp.zeros((6, 12, 16)), bad, mesh=mesh)
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match="do not split"):
+        moe(x, mask)

@@ -66,7 +66,7 @@ def test_two_processes_train_like_one_and_their_checkpoint_restores_elsewhere(tm
     np.testing.assert_allclose(multi, one, rtol=2e-5)
 
     # The two-process checkpoint restores onto this single process, on an 8-device mesh.
-    from smelt_jax.parallel import train_state
+    from smelt_jax.train import state as train_state
     from smelt_jax.train.checkpoint import Checkpointer
     from smelt_jax.train.step import optimizer
     tx = optimizer(SCHEDULE)

@@ -9,11 +9,11 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from smelt_jax import aot
-from smelt_jax.parallel import compile_report as cr
-from smelt_jax.parallel.expert_parallel import buffer_fill
-from smelt_jax.parallel.hlo_stats import hlo_stats, shape_bytes
-from smelt_jax.parallel.program_flops import program_flops
+from smelt_jax.compile import aot
+from smelt_jax.compile import report as cr
+from smelt_jax.compile.hlo_stats import hlo_stats, shape_bytes
+from smelt_jax.compile.program_flops import program_flops
+from smelt_jax.model.expert_exchange import buffer_fill
 from tests.hlo_samples import SYNTHETIC_HLO
 
 # ------------------------------------------------------------------------------ jaxpr FLOP counter
@@ -149,7 +149,7 @@ def test_xla_step_estimate_counts_a_loop_body_once():
 
 def _report(**fields):
     base = dict(run_id="r", slice="v5p-128", layout={"data": 1, "fsdp": 8, "expert": 8, "tensor": 1},
-                remat="full", expert_impl="pallas", fits=True, error=None, compile_seconds=1.0,
+                remat="full", expert_impl="pallas", peak_fits_hbm=True, error=None, compile_seconds=1.0,
                 budget_flops=100e12)
     return cr.CompileReport(**{**base, **fields})
 

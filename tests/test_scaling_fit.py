@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 from scaling_synthetic import paper_pair_table, smelt_table
 
-from smelt_jax.scaling import bootstrap, fit, gains, io, paper
+from smelt_jax import paper
+from smelt_jax.scaling import bootstrap, fit, gains, io
 from smelt_jax.scaling.laws import ChinchillaLaw, SmeltLaw
 
 EPOCH = {"E": 1.817, "A": 482.0, "B": 2085.4, "alpha": 0.3478, "beta": 0.3659}
@@ -36,10 +37,10 @@ def test_batched_lbfgs_matches_scipy_per_start():
     import jax.numpy as jnp
     import scipy.optimize
 
-    table = smelt_table(paper.SMELT, "s", 0.002, seed=3)
+    table = smelt_table(paper.SMELT_LAW, "s", 0.002, seed=3)
     x, y = SmeltLaw.features(table), np.log(table["loss"].to_numpy())
     rng = np.random.default_rng(0)
-    starts = paper.SMELT.to_raw() + rng.normal(0, [0.1, 0.5, 0.5, 0.03, 0.03, 0.05], (6, 6))
+    starts = paper.SMELT_LAW.to_raw() + rng.normal(0, [0.1, 0.5, 0.5, 0.03, 0.03, 0.05], (6, 6))
     ours = fit.minimise_huber(SmeltLaw, x, y, np.ones((1, len(y))), starts)
     with jax.enable_x64(True):
         vg = jax.jit(jax.value_and_grad(lambda r: fit.huber_objective(SmeltLaw, r, jnp.asarray(x), jnp.asarray(y), 1.0)))
@@ -55,7 +56,7 @@ def test_smelt_fit_recovers_parameters_and_ce_gain():
     """Synthetic tables from the paper's laws with 0.1% noise: parameters and CE gains come back."""
     table = paper_pair_table(noise=0.001, seed=7)
     fitted = {}
-    for arch, truth in (("baseline", paper.BASELINE), ("smelt", paper.SMELT)):
+    for arch, truth in (("baseline", paper.BASELINE_LAW), ("smelt", paper.SMELT_LAW)):
         rows = table[table.arch == arch]
         result = fit.fit_law(SmeltLaw, SmeltLaw.features(rows), rows["loss"])
         assert result.converged and result.n_points == 72
@@ -67,7 +68,7 @@ def test_smelt_fit_recovers_parameters_and_ce_gain():
             assert getattr(law, name) == pytest.approx(getattr(truth, name), abs=0.03)
         fitted[arch] = law
     for c, s in ((1e20, 0.85), (1e21, 0.95), (1e21, 0.97)):
-        true_gain = gains.ce_gain(paper.BASELINE, paper.SMELT, c, s)
+        true_gain = gains.ce_gain(paper.BASELINE_LAW, paper.SMELT_LAW, c, s)
         assert gains.ce_gain(fitted["baseline"], fitted["smelt"], c, s) == pytest.approx(true_gain, abs=0.02)
 
 
@@ -127,7 +128,7 @@ def test_cell_weights_resample_whole_cells():
 
 
 def test_cell_bootstrap_covers_truth():
-    table = smelt_table(paper.BASELINE, "b", 0.002, seed=11)
+    table = smelt_table(paper.BASELINE_LAW, "b", 0.002, seed=11)
     x, loss = SmeltLaw.features(table), table["loss"].to_numpy()
     best = fit.fit_law(SmeltLaw, x, loss, refine=16)
     boot = bootstrap.cell_bootstrap(SmeltLaw, x, loss, table["cell"].to_numpy(), np.array(best.raw),

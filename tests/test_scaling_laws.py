@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import scipy.optimize
 
-from smelt_jax.scaling import gains, paper
+from smelt_jax import paper
+from smelt_jax.scaling import gains
 from smelt_jax.scaling.laws import ChinchillaLaw, LoopedLaw, SmeltLaw, law_from_dict
 
 
@@ -59,7 +60,7 @@ def test_looped_reduction_matches_brute_force():
     assert chin.optimal_params(c) / k_exec == pytest.approx(np.exp(res.x), rel=1e-3)
 
 
-@pytest.mark.parametrize("law", [paper.BASELINE, ChinchillaLaw(1.8, 480, 2000, 0.35, 0.37),
+@pytest.mark.parametrize("law", [paper.BASELINE_LAW, ChinchillaLaw(1.8, 480, 2000, 0.35, 0.37),
                                  LoopedLaw(1.7, 400, 1500, 0.34, 0.3, 0.46)])
 def test_log_terms_logsumexp_equals_predict(law):
     rng = np.random.default_rng(0)
@@ -90,7 +91,7 @@ def test_invalid_parameters_rejected():
 
 def test_paper_ce_gains_and_tpp_from_published_coefficients():
     """Acceptance: CE gains within 0.2 points of the paper's table and TPP within 1 at 1e21."""
-    rows = gains.gain_rows(paper.BASELINE, paper.SMELT, paper.COMPUTES, paper.SPARSITIES)
+    rows = gains.gain_rows(paper.BASELINE_LAW, paper.SMELT_LAW, paper.COMPUTES, paper.SPARSITIES)
     assert len(rows) == 9
     for row in rows:
         expected = paper.CE_GAIN[(row["C"], row["S"])][0]
@@ -98,13 +99,13 @@ def test_paper_ce_gains_and_tpp_from_published_coefficients():
         if row["C"] == 1e21:
             tpp_b, tpp_s = paper.TPP_1E21[row["S"]]
             assert abs(row["tpp_reference"] - tpp_b) <= 1 and abs(row["tpp_target"] - tpp_s) <= 1
-    assert paper.BASELINE.gamma() == pytest.approx(paper.GAMMA["baseline"], abs=5e-4)
-    assert paper.SMELT.gamma() == pytest.approx(paper.GAMMA["smelt"], abs=5e-4)
+    assert paper.BASELINE_LAW.gamma() == pytest.approx(paper.GAMMA["baseline"], abs=5e-4)
+    assert paper.SMELT_LAW.gamma() == pytest.approx(paper.GAMMA["smelt"], abs=5e-4)
 
 
 def test_ce_gain_zero_for_identical_laws_and_sign():
-    assert gains.ce_gain(paper.BASELINE, paper.BASELINE, 1e21, 0.9) == pytest.approx(0.0, abs=1e-12)
-    assert gains.ce_gain(paper.SMELT, paper.BASELINE, 1e21, 0.95) < 0
+    assert gains.ce_gain(paper.BASELINE_LAW, paper.BASELINE_LAW, 1e21, 0.9) == pytest.approx(0.0, abs=1e-12)
+    assert gains.ce_gain(paper.SMELT_LAW, paper.BASELINE_LAW, 1e21, 0.95) < 0
 
 
 def test_sigmoid_calibration_recovers_and_residual_sign():

@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 from smelt_jax import sharding
 from smelt_jax.config import ModelConfig, Schedule
 from smelt_jax.descriptors import Parallelism
-from smelt_jax.parallel import train_state
+from smelt_jax.train import state as train_state
 from smelt_jax.train.step import optimizer
 
 # Small enough to compile in seconds; a loop (two visits) and a real MoE (4 experts, top-2).
@@ -120,7 +120,7 @@ def test_sharded_train_step_matches_one_device(one_device, layout):
 
 
 def test_sharded_init_equals_the_unsharded_init():
-    from smelt_jax.train.step import init_params
+    from smelt_jax.train.state import init_params
     tx = _capture_grads()
     mesh = sharding.make_mesh(Parallelism(data=2, fsdp=2, expert=2))
     plan = train_state.plan_training(MICRO, tx, mesh)

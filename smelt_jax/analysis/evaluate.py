@@ -174,9 +174,9 @@ def load_model(target: str, branch: int | None = None, *, root: Path | None = No
     from flax import nnx
 
     from smelt_jax.config import ModelConfig, Schedule
-    from smelt_jax.model import Decoder
     from smelt_jax.rundir import RunDir
     from smelt_jax.train.checkpoint import Checkpointer, abstract_like
+    from smelt_jax.train.state import abstract_train_state
     from smelt_jax.train.step import optimizer
 
     run_root, path_branch, path_step = _find_run_root(target, root)
@@ -190,10 +190,7 @@ def load_model(target: str, branch: int | None = None, *, root: Path | None = No
     folder = RunDir(run_root).checkpoints(branch)
     if not folder.is_dir():
         raise FileNotFoundError(f"no checkpoints at {folder}")
-    abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
-    graphdef, abstract_params = nnx.split(abstract)
-    abstract_state = {"params": abstract_params,
-                      "opt_state": jax.eval_shape(optimizer(schedule).init, abstract_params)}
+    graphdef, abstract_state = abstract_train_state(cfg, optimizer(schedule))
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     with Checkpointer(folder) as checkpointer:
         restored_step, state, _ = checkpointer.restore(abstract_like(abstract_state, device), step=step)

@@ -13,6 +13,7 @@ import pkgutil
 import sys
 
 from smelt_jax.config import ConfigError
+from smelt_jax.platform import pin_cpu_without_accelerator
 
 
 class CliError(Exception):
@@ -30,22 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _default_platform() -> None:
-    """On a machine with no accelerator device files, pin JAX to the CPU so that an installed libtpu
-    (used here only for ahead-of-time TPU compilation) does not try, and fail noisily, to find a
-    TPU. An explicit JAX_PLATFORMS always wins."""
-    import os
-    from pathlib import Path
-    dev = Path("/dev")
-    if "JAX_PLATFORMS" in os.environ:
-        return
-    if any(dev.glob("accel*")) or (dev / "vfio").exists() or any(dev.glob("nvidia[0-9]*")):
-        return
-    os.environ["JAX_PLATFORMS"] = "cpu"
-
-
 def main(argv: list[str] | None = None) -> int:
-    _default_platform()
+    pin_cpu_without_accelerator()
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "handler", None):

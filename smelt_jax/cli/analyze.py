@@ -8,10 +8,10 @@ from pathlib import Path
 def cmd_analyze(args) -> int:
     from smelt_jax.analysis.evaluate import load_model
     from smelt_jax.analysis.run_analysis import analysis_tables, write_tables
-    from smelt_jax.cli.eval import load_corpus
+    from smelt_jax.data.token_store import open_dataset
     root = Path(args.runs_dir) if args.runs_dir else None
     loaded = load_model(args.target, args.branch, root=root)
-    tables = analysis_tables(loaded.model, load_corpus(args.corpus), n_tokens=args.tokens,
+    tables = analysis_tables(loaded.model, open_dataset(args.corpus), n_tokens=args.tokens,
                              seq_len=args.seq_len, batch_size=args.batch_size,
                              attention_rows=args.attention_rows, dyck=not args.no_dyck,
                              dyck_shots=args.dyck_shots, dyck_examples=args.dyck_examples)

@@ -22,14 +22,6 @@ def parse_shots(text: str) -> tuple[int, ...]:
     return shots
 
 
-def load_corpus(folder: str | None):
-    """The corpus at `folder`, else the default one (built on first use, as the trainer does)."""
-    from smelt_jax.data.corpus import Corpus, build_corpus
-    if folder is not None:
-        return Corpus(Path(folder))
-    return Corpus(build_corpus(progress=False).folder)
-
-
 def _print_tables(label: str, report: dict) -> None:
     validation = report["validation"]
     print(f"# {label}")
@@ -50,7 +42,9 @@ def cmd_eval(args) -> int:
     shots = parse_shots(args.dyck_shots)
     root = Path(args.runs_dir) if args.runs_dir else None
     loaded = load_model(args.target, args.branch, root=root)
-    corpus = None if args.no_validation else load_corpus(args.corpus)
+    from smelt_jax.data.token_store import open_dataset
+
+    corpus = None if args.no_validation else open_dataset(args.corpus)
     seq_len = int(loaded.run["schedule"]["seq_len"])
     report = evaluate_model(loaded.model, corpus, seq_len=seq_len, eval_tokens=args.eval_tokens,
                             task_paths=args.tasks or (), dyck_shots=shots, dyck_examples=args.dyck_examples,

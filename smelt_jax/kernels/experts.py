@@ -7,15 +7,16 @@ rows of expert e; rows past `sum(group_sizes)` are padding and come out as 0.
 Precision, the same in every backend: matmuls accumulate in float32, the SwiGLU product is taken in
 float32 and cast to the input dtype before the down projection, the output has the input dtype.
 
-Backends (`impl`):
+Backends (`impl`; which one `auto` means is decided by `smelt_jax.kernels.backend.choose_expert_backend`):
 - `dense`: every expert on every row, then masked. The reference; E times the needed FLOPs.
 - `ragged_dot`: `jax.lax.ragged_dot`. Native grouped matmul on GPU; on CPU it materialises a dense
   [groups, m, k] operand (slow).
 - `megablox`: JAX's Pallas TPU grouped matmul (`interpret=True` off TPU); m is padded to the row tile.
 - `capacity`: scatter rows into [E, C, d] buffers, batched einsum, gather back. C = `capacity`
-  (default m, the worst case, so nothing is dropped). Fastest on CPU.
-- `pallas`: the project's own kernel (`smelt_jax.kernels.pallas_ffn.pallas_expert_ffn`), imported lazily.
-- `auto`: TPU -> pallas if importable else megablox; GPU -> ragged_dot; CPU -> capacity.
+  (default m, the worst case, so nothing is dropped).
+- `tiled`: each expert's rows padded to a row tile, batched einsum over tiles with per-tile expert
+  weights (`smelt_jax.kernels.tiled`): only the routed rows (plus < one tile per expert). CPU default.
+- `pallas`: the project's own Mosaic kernels (`smelt_jax.kernels.pallas_ffn.pallas_expert_ffn`).
 """
 
 from __future__ import annotations
@@ -25,68 +26,31 @@ import functools
 import jax
 import jax.numpy as jnp
 
-EXPERT_BACKENDS = ("dense", "ragged_dot", "megablox", "capacity", "pallas")
+from smelt_jax.kernels.backend import choose_expert_backend
+from smelt_jax.kernels.rows import mask_rows, row_expert_ids, swiglu
+from smelt_jax.kernels.tiled import tiled_expert_ffn
+
 MEGABLOX_ROW_TILE = 128
 MEGABLOX_COL_TILE = 128
 
 
-def _pallas_kernel():
-    """The project's own Pallas kernel, or None when its module is not importable yet."""
-    try:
-        from smelt_jax.kernels.pallas_ffn import pallas_expert_ffn
-    except ImportError:
-        return None
-    return pallas_expert_ffn
-
-
-def resolve_impl(impl: str, platform: str | None = None) -> str:
-    """The backend `impl` names; `auto` picks by platform (default: JAX's default backend)."""
-    if impl != "auto":
-        if impl not in EXPERT_BACKENDS:
-            raise ValueError(f"expert impl {impl!r} not in {('auto',) + EXPERT_BACKENDS}")
-        return impl
-    platform = platform or jax.default_backend()
-    if platform == "tpu":
-        return "pallas" if _pallas_kernel() is not None else "megablox"
-    if platform in ("gpu", "cuda", "rocm"):
-        return "ragged_dot"
-    return "capacity"
-
-
-def _row_expert_ids(group_sizes: jax.Array, m: int) -> jax.Array:
-    """Expert of each sorted row, [m] int32; padding rows get E (one past the last expert)."""
-    ends = jnp.cumsum(group_sizes)
-    return jnp.searchsorted(ends, jnp.arange(m, dtype=ends.dtype), side="right").astype(jnp.int32)
-
-
-def _swiglu(gate: jax.Array, up: jax.Array, dtype) -> jax.Array:
-    """silu(gate) * up in float32, cast to the compute dtype for the down projection."""
-    gate = gate.astype(jnp.float32)
-    return (jax.nn.silu(gate) * up.astype(jnp.float32)).astype(dtype)
-
-
 def _dense(x, w_gate, w_up, w_down, group_sizes):
     n_experts = w_gate.shape[0]
-    expert_of_row = _row_expert_ids(group_sizes, x.shape[0])
+    expert_of_row = row_expert_ids(group_sizes, x.shape[0])
     gate = jnp.einsum("md,edf->emf", x, w_gate, preferred_element_type=jnp.float32)
     up = jnp.einsum("md,edf->emf", x, w_up, preferred_element_type=jnp.float32)
-    hidden = _swiglu(gate, up, x.dtype)
+    hidden = swiglu(gate, up, x.dtype)
     out = jnp.einsum("emf,efd->emd", hidden, w_down, preferred_element_type=jnp.float32)
     mask = expert_of_row[None, :] == jnp.arange(n_experts)[:, None]  # [E, m]
     return jnp.sum(jnp.where(mask[..., None], out, 0.0), axis=0).astype(x.dtype)
-
-
-def _mask_rows(x: jax.Array, valid: jax.Array) -> jax.Array:
-    """Zero the padding rows (`where`, not a product: backends may leave NaN there)."""
-    return jnp.where(valid[:, None], x, jnp.zeros((), x.dtype))
 
 
 def _ragged_dot(x, w_gate, w_up, w_down, group_sizes):
     valid = jnp.arange(x.shape[0]) < jnp.sum(group_sizes)
     mm = functools.partial(jax.lax.ragged_dot, group_sizes=group_sizes,
                            preferred_element_type=jnp.float32)
-    hidden = _swiglu(mm(x, w_gate), mm(x, w_up), x.dtype)
-    return _mask_rows(mm(hidden, w_down), valid).astype(x.dtype)
+    hidden = swiglu(mm(x, w_gate), mm(x, w_up), x.dtype)
+    return mask_rows(mm(hidden, w_down), valid).astype(x.dtype)
 
 
 def _megablox(x, w_gate, w_up, w_down, group_sizes, *, interpret: bool | None = None):
@@ -105,19 +69,19 @@ def _megablox(x, w_gate, w_up, w_down, group_sizes, *, interpret: bool | None = 
         tiling = (row_tile, min(MEGABLOX_COL_TILE, k), min(MEGABLOX_COL_TILE, n))
         # Mask on the way in too: gmm leaves padding rows uninitialised, and its backward would
         # otherwise carry that garbage into the gradient of the padding rows.
-        out = gmm(_mask_rows(lhs, valid), rhs, group_sizes, preferred_element_type=jnp.float32,
+        out = gmm(mask_rows(lhs, valid), rhs, group_sizes, preferred_element_type=jnp.float32,
                   tiling=tiling, interpret=interpret)
-        return _mask_rows(out, valid)
+        return mask_rows(out, valid)
 
-    hidden = _swiglu(grouped(x_pad, w_gate, d_model, ffn), grouped(x_pad, w_up, d_model, ffn),
-                     x.dtype)
+    hidden = swiglu(grouped(x_pad, w_gate, d_model, ffn), grouped(x_pad, w_up, d_model, ffn),
+                    x.dtype)
     return grouped(hidden, w_down, ffn, d_model)[:m].astype(x.dtype)
 
 
 def _capacity(x, w_gate, w_up, w_down, group_sizes, *, capacity: int):
     m, d_model = x.shape
     n_experts = w_gate.shape[0]
-    expert_of_row = _row_expert_ids(group_sizes, m)
+    expert_of_row = row_expert_ids(group_sizes, m)
     starts = jnp.cumsum(group_sizes) - group_sizes
     slot = jnp.arange(m, dtype=jnp.int32) - jnp.take(starts, jnp.minimum(expert_of_row, n_experts - 1))
     # Padding rows and rows past the capacity get an out-of-range expert and are dropped.
@@ -127,10 +91,17 @@ def _capacity(x, w_gate, w_up, w_down, group_sizes, *, capacity: int):
     buffer = buffer.at[target_expert, slot].set(x, mode="drop")
     gate = jnp.einsum("ecd,edf->ecf", buffer, w_gate, preferred_element_type=jnp.float32)
     up = jnp.einsum("ecd,edf->ecf", buffer, w_up, preferred_element_type=jnp.float32)
-    out = jnp.einsum("ecf,efd->ecd", _swiglu(gate, up, x.dtype), w_down,
+    out = jnp.einsum("ecf,efd->ecd", swiglu(gate, up, x.dtype), w_down,
                      preferred_element_type=jnp.float32)
     rows = out.at[target_expert, slot].get(mode="fill", fill_value=0.0)
     return rows.astype(x.dtype)
+
+
+def _pallas(x, w_gate, w_up, w_down, group_sizes):
+    # Imported on use: the Pallas TPU modules are slow to import and only this backend needs them.
+    from smelt_jax.kernels.pallas_ffn import pallas_expert_ffn
+
+    return pallas_expert_ffn(x, w_gate, w_up, w_down, group_sizes)
 
 
 def _check(x, w_gate, w_up, w_down, group_sizes):
@@ -156,16 +127,21 @@ def expert_ffn(x_sorted: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: 
       x_sorted: [m, d_model] rows sorted by expert; rows past sum(group_sizes) are padding.
       w_gate, w_up: [E, d_model, ffn]; w_down: [E, ffn, d_model].
       group_sizes: [E] int32, rows per expert.
-      impl: a backend name or 'auto' (see the module docstring).
+      impl: a backend name or 'auto' (`choose_expert_backend` with no mesh: the caller, e.g. the MoE
+        layer, has already resolved it for its mesh).
       capacity: static bound on every group size that the caller guarantees; the `capacity`
-        backend sizes its [E, C, d] buffers with it (None: m, always safe). Other backends ignore it.
+        backend sizes its [E, C, d] buffers with it (None: m, always safe) and `tiled` tightens its
+        tile count with it. Other backends ignore it.
     Returns:
       [m, d_model] in x_sorted's dtype; padding rows are 0.
     """
     _check(x_sorted, w_gate, w_up, w_down, group_sizes)
     group_sizes = group_sizes.astype(jnp.int32)
     weights = [w.astype(x_sorted.dtype) for w in (w_gate, w_up, w_down)]
-    backend = resolve_impl(impl)
+    backend = choose_expert_backend(impl)
+    bound = None if capacity is None else min(int(capacity), x_sorted.shape[0])
+    if bound is not None and bound <= 0:
+        raise ValueError(f"capacity must be positive, got {capacity}")
     if backend == "dense":
         return _dense(x_sorted, *weights, group_sizes)
     if backend == "ragged_dot":
@@ -173,12 +149,7 @@ def expert_ffn(x_sorted: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: 
     if backend == "megablox":
         return _megablox(x_sorted, *weights, group_sizes)
     if backend == "capacity":
-        bound = x_sorted.shape[0] if capacity is None else min(int(capacity), x_sorted.shape[0])
-        if bound <= 0:
-            raise ValueError(f"capacity must be positive, got {capacity}")
-        return _capacity(x_sorted, *weights, group_sizes, capacity=bound)
-    kernel = _pallas_kernel()
-    if kernel is None:
-        raise ImportError("impl='pallas' needs smelt_jax.kernels.pallas_ffn.pallas_expert_ffn, "
-                          "which is not importable")
-    return kernel(x_sorted, *weights, group_sizes)
+        return _capacity(x_sorted, *weights, group_sizes, capacity=bound or x_sorted.shape[0])
+    if backend == "tiled":
+        return tiled_expert_ffn(x_sorted, *weights, group_sizes, capacity=bound)
+    return _pallas(x_sorted, *weights, group_sizes)

@@ -1,49 +1,52 @@
-"""The MoE layer: route, sort token copies by expert, run the experts behind one call, unsort, combine.
+"""The MoE layer, the only one: route, dispatch, run the experts through an exchange strategy, combine.
 
-Dropless by default. With `capacity_factor` set, an expert keeps its first
-C = ceil(capacity_factor * T * top_k / E) rows in token order; the rest are moved past the last
-group (padding, output 0), so every backend sees the same sorted layout.
+    MoE(cfg)(x [b, s, d], token_mask [b, s]) -> (y [b, s, d], stats)
+
+1. `Router` (the router einsum, softmax top-k, auxiliary losses; `model/router.py`);
+2. `dispatch` (the sorted layout of the T*k token copies, the capacity and the kept copies;
+   `model/dispatch.py`);
+3. the backend, chosen once by `kernels.backend.choose_expert_backend(cfg.expert_impl, mesh=...)`, runs
+   through one of two strategies with one contract (tokens, Dispatch, weights -> y_copies [T, k, d]):
+   - local (`model/expert_compute.py`): all experts in this program, GSPMD partitions it on a mesh;
+   - expert-parallel (`model/expert_exchange.py`): when the mesh's `expert` axis is larger than 1,
+     experts sharded over it and token copies exchanged by all_to_all in a shard_map;
+4. combine with the router weights and the load statistics, here, for both strategies.
 """
 
 from __future__ import annotations
-
-import math
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from smelt_jax.config import ModelConfig
-from smelt_jax.kernels import expert_ffn, resolve_impl
+from smelt_jax.kernels.backend import choose_expert_backend, expert_axis_size
 from smelt_jax.model.attention import INIT_STD, truncated_normal
-from smelt_jax.model.router import Router, expert_load_stats
-from smelt_jax.sharding import mesh_is_set, param
+from smelt_jax.model.dispatch import Dispatch, dispatch, expert_capacity
+from smelt_jax.model.expert_compute import local_expert_outputs
+from smelt_jax.model.expert_exchange import exchanged_expert_outputs
+from smelt_jax.model.router import Router, Routing, expert_load_stats
+from smelt_jax.sharding import current_mesh, param
 
 
-def expert_capacity(cfg: ModelConfig, tokens: int) -> int | None:
-    """Rows an expert keeps: None when dropless."""
-    if cfg.capacity_factor is None:
-        return None
-    return max(1, math.ceil(cfg.capacity_factor * tokens * cfg.top_k / cfg.n_experts))
+def combine(y_copies: jax.Array, weights: jax.Array) -> jax.Array:
+    """y_copies [T, k, d], router weights [T, k] float32 -> [T, d] float32 (the weighted sum)."""
+    return jnp.einsum("tkd,tk->td", y_copies.astype(jnp.float32), weights)
 
 
-def dispatch_order(expert_ids: jax.Array, n_experts: int, capacity: int | None):
-    """Sort the T*k token copies by expert.
-
-    expert_ids [T, k]. Returns (order [T*k]: flat copy index of each sorted row, group_sizes [E]
-    int32, counts [E]: rows routed per expert before any drop). Rows past an expert's capacity are
-    sent after every group. The sort is stable, so within an expert earlier tokens come first.
-    """
-    flat = expert_ids.reshape(-1)
-    counts = jnp.bincount(flat, length=n_experts).astype(jnp.int32)
-    if capacity is None:
-        return jnp.argsort(flat, stable=True), counts, counts
-    first_order = jnp.argsort(flat, stable=True)
-    starts = jnp.cumsum(counts) - counts
-    rank_sorted = jnp.arange(flat.shape[0], dtype=jnp.int32) - starts[flat[first_order]]
-    rank = jnp.zeros_like(rank_sorted).at[first_order].set(rank_sorted)
-    key = jnp.where(rank < capacity, flat, n_experts)
-    return jnp.argsort(key, stable=True), jnp.minimum(counts, capacity), counts
+def moe_stats(routing: Routing, plan: Dispatch, token_mask: jax.Array) -> dict[str, jax.Array]:
+    """The layer's statistics: auxiliary losses, load (counts of real tokens, max_over_mean,
+    dropped_fraction) and topk_ids [T, k]. token_mask [T] bool."""
+    n_experts = plan.counts.shape[0]
+    top_k = routing.expert_ids.shape[1]
+    real_counts = jnp.bincount(routing.expert_ids.reshape(-1), length=n_experts,
+                               weights=jnp.repeat(token_mask, top_k).astype(jnp.float32))
+    return {
+        "load_balance_loss": routing.load_balance_loss,
+        "router_z_loss": routing.z_loss,
+        **expert_load_stats(real_counts, jnp.sum(plan.counts), jnp.sum(plan.group_sizes)),
+        "topk_ids": routing.expert_ids,
+    }
 
 
 class MoE(nnx.Module):
@@ -68,38 +71,20 @@ class MoE(nnx.Module):
         dropped_fraction, topk_ids [b, s, k]).
         """
         cfg = self.cfg
-        if mesh_is_set() and jax.sharding.get_abstract_mesh().shape.get("expert", 1) > 1:
-            # Experts sharded over the mesh: tokens travel to their experts by all_to_all, and each
-            # device runs the expert kernel on its own experts (Mosaic kernels do not auto-shard).
-            from smelt_jax.parallel.expert_parallel import expert_parallel_moe  # imports this module
-            return expert_parallel_moe(x, token_mask, self.router.weight[...], self.w_gate[...],
-                                       self.w_up[...], self.w_down[...], cfg)
         b, s, d = x.shape
         tokens = x.reshape(b * s, d)
         mask = token_mask.reshape(-1)
         _, routing = self.router(tokens, mask)
-        capacity = expert_capacity(cfg, b * s)
-        order, group_sizes, counts = dispatch_order(routing.expert_ids, cfg.n_experts, capacity)
-        x_sorted = jnp.take(tokens, order // cfg.top_k, axis=0)
-        # No expert receives more than T rows (a token picks distinct experts): the capacity
-        # backend's buffer bound.
-        bound = b * s if capacity is None else capacity
-        impl = resolve_impl(cfg.expert_impl)
-        if impl in ("pallas", "megablox") and mesh_is_set() and jax.sharding.get_abstract_mesh().size > 1:
-            # GSPMD cannot partition a Mosaic kernel; without an expert axis (above) use XLA's op.
-            impl = "ragged_dot"
-        y_sorted = expert_ffn(x_sorted, self.w_gate[...], self.w_up[...], self.w_down[...],
-                              group_sizes, impl=impl, capacity=bound)
-        inverse = jnp.argsort(order)
-        y_copies = jnp.take(y_sorted, inverse, axis=0).reshape(b * s, cfg.top_k, d)
-        y = jnp.einsum("tkd,tk->td", y_copies.astype(jnp.float32), routing.weights)
-        real_counts = jnp.bincount(routing.expert_ids.reshape(-1), length=cfg.n_experts,
-                                   weights=jnp.repeat(mask, cfg.top_k).astype(jnp.float32))
-        load = expert_load_stats(real_counts, jnp.sum(counts), jnp.sum(group_sizes))
-        stats = {
-            "load_balance_loss": routing.load_balance_loss,
-            "router_z_loss": routing.z_loss,
-            **load,
-            "topk_ids": routing.expert_ids.reshape(b, s, cfg.top_k),
-        }
+        plan = dispatch(routing.expert_ids, cfg.n_experts, expert_capacity(cfg, b * s))
+        mesh = current_mesh()
+        backend = choose_expert_backend(cfg.expert_impl, mesh=mesh)
+        weights = (self.w_gate[...], self.w_up[...], self.w_down[...])
+        if expert_axis_size(mesh) > 1:
+            y_copies = exchanged_expert_outputs(tokens, plan, *weights, backend=backend,
+                                                ragged=cfg.expert_exchange == "ragged", mesh=mesh)
+        else:
+            y_copies = local_expert_outputs(tokens, plan, *weights, backend=backend)
+        y = combine(y_copies, routing.weights)
+        stats = moe_stats(routing, plan, mask)
+        stats["topk_ids"] = stats["topk_ids"].reshape(b, s, cfg.top_k)
         return y.astype(x.dtype).reshape(b, s, d), stats

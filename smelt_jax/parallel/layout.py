@@ -1,5 +1,6 @@
-"""Parallelism layouts: parsing `--layout data=2,fsdp=4,expert=8` and the chosen per-run layouts in
-experiments/layouts.json (written by `smelt compile-report`)."""
+"""Parallelism layouts: parsing `--layout data=2,fsdp=4,expert=8`, writing one back, the key a layout is
+filed under (`scale/sparsity/arch[/variant]`) and reading a layouts file (experiments/layouts.json is
+written by `smelt compile-report`; which file a suite uses is `experiments/placement.py`'s business)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,8 @@ import dataclasses
 import json
 from pathlib import Path
 
-from smelt_jax.descriptors import Parallelism
+from smelt_jax.descriptors import Parallelism, RunSpec
 
-LAYOUTS_FILE = Path(__file__).resolve().parents[2] / "experiments" / "layouts.json"
 AXES = ("data", "fsdp", "expert", "tensor")
 
 
@@ -28,12 +28,22 @@ def parse_layout(text: str, base: Parallelism | None = None) -> Parallelism:
     return dataclasses.replace(base, **changes)
 
 
-def layout_key(scale: str, sparsity_label: str, arch: str) -> str:
-    return f"{scale}/{sparsity_label}/{arch}"
+def format_layout(layout: Parallelism) -> str:
+    """The `--layout` text `parse_layout` reads back: 'data=1,fsdp=8,expert=8,tensor=1'."""
+    return ",".join(f"{axis}={getattr(layout, axis)}" for axis in AXES)
 
 
-def load_layouts(path: Path = LAYOUTS_FILE) -> dict[str, Parallelism]:
-    """{'1.6b/s97/smelt': Parallelism(...)} from layouts.json; {} when the file does not exist."""
+def layout_key(scale: str, sparsity_label: str, arch: str, variant: str = "") -> str:
+    return "/".join([scale, sparsity_label, arch] + ([variant] if variant else []))
+
+
+def run_key(run: RunSpec) -> str:
+    """The key of `run`'s layout in a layouts file: '1.6b/s97/smelt', '200m/s85/looped/span2'."""
+    return layout_key(run.scale, run.sparsity_label, run.arch, run.variant)
+
+
+def load_layouts(path: Path) -> dict[str, Parallelism]:
+    """{'1.6b/s97/smelt': Parallelism(...)} from a layouts file; {} when the file does not exist."""
     if not Path(path).exists():
         return {}
     data = json.loads(Path(path).read_text())

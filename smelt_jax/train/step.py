@@ -85,9 +85,3 @@ def make_eval_step(graphdef: nnx.GraphDef, cfg: ModelConfig):
         return cross_entropy(logits, batch["targets"], batch["loss_mask"])
     return eval_step
 
-
-def init_params(cfg: ModelConfig, seed: int) -> tuple[nnx.GraphDef, nnx.State]:
-    """Model graph definition and freshly initialised parameters."""
-    from smelt_jax.model import Decoder
-    graphdef, params = nnx.split(Decoder(cfg, rngs=nnx.Rngs(seed)))
-    return graphdef, params

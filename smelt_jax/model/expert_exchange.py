@@ -1,19 +1,18 @@
-"""Expert parallelism: experts sharded over the mesh's `expert` axis, token copies exchanged with
-`all_to_all` inside `jax.shard_map`.
+"""The expert-parallel exchange strategy: experts sharded over the mesh's `expert` axis, token copies
+exchanged with `all_to_all` inside `jax.shard_map`.
 
-`expert_parallel_moe` computes exactly `smelt_jax.model.moe.MoE.__call__` (same weights, same routing,
-same capacity drops, same combine) with a different data movement:
+`exchanged_expert_outputs` has the contract of `expert_compute.local_expert_outputs` (tokens, the
+layer's Dispatch, weights, backend -> y_copies [T, k, d]) with a different data movement. Routing,
+the capacity decision (`Dispatch.kept`), the combine and the load statistics stay in the MoE layer
+(`smelt_jax.model.moe`), outside the shard_map, so both strategies share them.
 
-1. Route every token (GSPMD, outside the shard_map): top-k expert ids and weights, and, with a
-   capacity factor, which copies the unsharded layer would keep (its global, token-ordered rank).
-2. Inside the shard_map each device holds T_l tokens (tokens split over data x fsdp x expert) and
+1. Inside the shard_map each device holds T_l tokens (tokens split over data x fsdp x expert) and
    E_l = E / n experts (n = size of `expert`). It writes each kept copy into a send buffer
    [n, C, d] at (destination device = expert // E_l, next free slot), C = T_l * min(k, E_l): a token
    picks distinct experts, so at most min(k, E_l) of its copies go to one device. Dropless.
-3. `all_to_all` over `expert` swaps the buffers; the receiver sorts its n*C rows by local expert and
+2. `all_to_all` over `expert` swaps the buffers; the receiver sorts its n*C rows by local expert and
    calls `smelt_jax.kernels.expert_ffn` on its E_l experts (empty slots are padding rows).
-4. Unsort, `all_to_all` back, gather each copy's output from (destination, slot), combine with the
-   router weights (outside the shard_map, as the unsharded layer does).
+3. Unsort, `all_to_all` back, gather each copy's output from (destination, slot).
 
 Two ways to move the buffers (`ModelConfig.expert_exchange`):
 - "padded" (default; runs everywhere): `all_to_all` of the whole [n, C, d] buffers. When E_l >= k,
@@ -33,12 +32,9 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from smelt_jax import sharding
-from smelt_jax.config import ModelConfig
-from smelt_jax.kernels import expert_ffn, resolve_impl
-from smelt_jax.model.moe import dispatch_order, expert_capacity
-from smelt_jax.model.router import expert_load_stats, route
-
-EXPERT_AXIS = "expert"
+from smelt_jax.kernels.backend import EXPERT_AXIS
+from smelt_jax.kernels.experts import expert_ffn
+from smelt_jax.model.dispatch import Dispatch
 
 
 def token_axes(mesh) -> tuple[str, ...]:
@@ -62,15 +58,6 @@ def buffer_fill(top_k: int, n_experts: int, expert_shards: int) -> float:
     sends T_l * k copies in n * C rows, so k / (n * min(k, E / n)). 1 when E / n = 1 (S~0 models);
     1/n whenever E / n >= k. The Pallas kernels skip the empty rows; their cost estimate cannot."""
     return top_k / (expert_shards * min(top_k, n_experts // expert_shards))
-
-
-def kept_copies(expert_ids: jax.Array, n_experts: int, capacity: int | None) -> jax.Array:
-    """[T, k] bool: the copies the unsharded layer keeps (all when dropless)."""
-    if capacity is None:
-        return jnp.ones(expert_ids.shape, bool)
-    order, group_sizes, _ = dispatch_order(expert_ids, n_experts, capacity)
-    position = jnp.argsort(order)  # where each copy lands in the sorted layout
-    return (position < jnp.sum(group_sizes)).reshape(expert_ids.shape)
 
 
 def ragged_block_args(send_counts: jax.Array, recv_counts: jax.Array, slots: int, my_index: jax.Array):
@@ -136,62 +123,32 @@ def _exchange_and_compute(x_local, ids_local, kept_local, w_gate, w_up, w_down, 
     return y_copies.reshape(t_local, top_k, d)
 
 
-def expert_parallel_moe(x: jax.Array, token_mask: jax.Array, router_weight: jax.Array,
-                        w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, cfg: ModelConfig,
-                        *, mesh: jax.sharding.Mesh | None = None, impl: str | None = None):
-    """The MoE layer with experts sharded over `expert`; same contract as `MoE.__call__`.
-
-    x [b, s, d] (compute dtype), token_mask [b, s] bool, router_weight [d, E],
-    w_gate / w_up [E, d, f], w_down [E, f, d]. `mesh` defaults to the one set by `jax.set_mesh`;
-    E must divide by the size of its `expert` axis. Returns (y [b, s, d], stats) like the
-    unsharded layer.
-    """
-    mesh = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
-    if mesh is None or mesh.empty:
-        raise ValueError("expert_parallel_moe needs a mesh (pass mesh= or call inside jax.set_mesh)")
+def exchanged_expert_outputs(tokens: jax.Array, plan: Dispatch, w_gate: jax.Array, w_up: jax.Array,
+                             w_down: jax.Array, *, backend: str, ragged: bool, mesh) -> jax.Array:
+    """tokens [T, d] (compute dtype), weights [E, ...] (E divisible by the `expert` axis of `mesh`, an
+    AbstractMesh or Mesh) -> y_copies [T, k, d], 0 for the copies `plan` drops."""
     n_ep = mesh.shape[EXPERT_AXIS]
-    if cfg.n_experts % n_ep:
-        raise ValueError(f"{cfg.n_experts} experts do not split over expert axis of size {n_ep}")
-    b, s, d = x.shape
-    total = b * s
-    tokens = x.reshape(total, d)
-    mask = token_mask.reshape(-1)
-    logits = jnp.einsum("td,de->te", tokens.astype(jnp.float32), router_weight.astype(jnp.float32))
-    routing = route(logits, cfg.top_k, mask)
-    capacity = expert_capacity(cfg, total)
-    kept = kept_copies(routing.expert_ids, cfg.n_experts, capacity)
-
+    n_experts = w_gate.shape[0]
+    if n_experts % n_ep:
+        raise ValueError(f"{n_experts} experts do not split over expert axis of size {n_ep}")
+    total = tokens.shape[0]
+    top_k = plan.expert_ids.shape[1]
     axes = token_axes(mesh)
     shards = 1
     for axis in axes:
         shards *= mesh.shape[axis]
     pad = -total % shards  # odd token counts: padding tokens send nothing and are cut off after
     tokens_p = jnp.pad(tokens, ((0, pad), (0, 0)))
-    ids_p = jnp.pad(routing.expert_ids, ((0, pad), (0, 0)))
-    kept_p = jnp.pad(kept, ((0, pad), (0, 0)))
-    compute = tokens.dtype
-    weights = [w.astype(compute) for w in (w_gate, w_up, w_down)]
+    ids_p = jnp.pad(plan.expert_ids, ((0, pad), (0, 0)))
+    kept_p = jnp.pad(plan.kept, ((0, pad), (0, 0)))
+    weights = [w.astype(tokens.dtype) for w in (w_gate, w_up, w_down)]
     token_spec = P(axes if axes else None)
     expert_spec = P(EXPERT_AXIS)
     body = jax.shard_map(
-        lambda *a: _exchange_and_compute(*a, top_k=cfg.top_k, impl=resolve_impl(impl or cfg.expert_impl),
-                                         ragged=cfg.expert_exchange == "ragged"),
+        lambda *a: _exchange_and_compute(*a, top_k=top_k, impl=backend, ragged=ragged),
         mesh=mesh, in_specs=(token_spec, token_spec, token_spec, expert_spec, expert_spec,
                              expert_spec),
         # Pallas kernels declare output shapes without varying-manual-axes types, which check_vma
         # rejects ("manual_axis_type ... must not be None"); the body's collectives are explicit.
         out_specs=token_spec, check_vma=False)
-    y_copies = body(tokens_p, ids_p, kept_p, *weights)[:total]
-    y = jnp.einsum("tkd,tk->td", y_copies.astype(jnp.float32), routing.weights)
-
-    counts = jnp.bincount(routing.expert_ids.reshape(-1), length=cfg.n_experts).astype(jnp.int32)
-    group_sizes = counts if capacity is None else jnp.minimum(counts, capacity)
-    real_counts = jnp.bincount(routing.expert_ids.reshape(-1), length=cfg.n_experts,
-                               weights=jnp.repeat(mask, cfg.top_k).astype(jnp.float32))
-    stats = {
-        "load_balance_loss": routing.load_balance_loss,
-        "router_z_loss": routing.z_loss,
-        **expert_load_stats(real_counts, jnp.sum(counts), jnp.sum(group_sizes)),
-        "topk_ids": routing.expert_ids.reshape(b, s, cfg.top_k),
-    }
-    return y.astype(x.dtype).reshape(b, s, d), stats
+    return body(tokens_p, ids_p, kept_p, *weights)[:total]

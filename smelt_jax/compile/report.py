@@ -1,12 +1,14 @@
 """Ahead-of-time compilation of a run's real train step for a TPU slice, from this CPU machine.
 
-`compile_run(run, "v5p-128", layout)` builds the slice's compile-only devices (`smelt_jax.aot`), a
+`compile_run(run, "v5p-128", layout)` builds the slice's compile-only devices (`smelt_jax.compile.aot`), a
 mesh over them from the layout, and compiles `train_step(params, opt_state, batch, lr)` with the
 shardings the trainer uses. The report: per-device memory (arguments, temporaries, outputs, peak vs
 the chip's HBM), per-device FLOPs (the compiler's count, the program's count with loops unrolled, and
 the budget's share), the collectives the program executes and the bytes they move, and a step-time
-estimate with the MFU it implies. A layout that does not fit comes back with `fits=False` and the
-compiler's message, not as an exception.
+estimate with the MFU it implies. A layout the compiler rejects for memory comes back with `peak_fits_hbm=False` and
+the compiler's message, not as an exception. (`peak_fits_hbm` is the compiler's verdict: it accepted the
+program and its peak is within HBM. Whether a layout is *kept* also asks for headroom:
+`layout_search.fits_with_headroom`.)
 
 Why not the compiler's own step time: XLA's `optimal_seconds` counts each `while` body once (the
 decoder scans its layers) and adds -1 for every SparseCore offload, so it came back negative for every
@@ -21,69 +23,20 @@ from __future__ import annotations
 import dataclasses
 import gzip
 import os
-import re
 import time
 from typing import Any
 
 import jax
 
-from smelt_jax import aot, sharding
 from smelt_jax import budget as budget_lib
+from smelt_jax import sharding
+from smelt_jax.compile import aot
+from smelt_jax.compile.hlo_stats import hlo_stats
+from smelt_jax.compile.program_flops import ProgramFlops, program_flops
 from smelt_jax.descriptors import Parallelism, RunSpec
-from smelt_jax.parallel.expert_parallel import buffer_fill
-from smelt_jax.parallel.hlo_stats import hlo_stats
-from smelt_jax.parallel.program_flops import ProgramFlops, program_flops
-
-# Per chip: HBM bytes, dense bf16 peak FLOP/s and inter-chip interconnect bandwidth in bytes/s (the
-# Cloud TPU system-architecture pages: "Interchip Interconnect BW" 2400/1600/4800/3584 Gbps; v5p's page
-# also gives it as 1200 GB/s bidirectional). Egress per chip is what a collective's sends share.
-CHIPS = {
-    "v4": {"hbm": 32 * 2**30, "peak": 275e12, "ici": 2400e9 / 8, "cores_per_chip": 2},
-    "v5e": {"hbm": 16 * 2**30, "peak": 197e12, "ici": 1600e9 / 8, "cores_per_chip": 1},
-    "v5p": {"hbm": 95 * 2**30, "peak": 459e12, "ici": 4800e9 / 8, "cores_per_chip": 2},
-    "v6e": {"hbm": 32 * 2**30, "peak": 918e12, "ici": 3584e9 / 8, "cores_per_chip": 1},
-}
-# Chips -> physical topology for the 3D-torus generations and the 2D ones.
-_TORUS_3D = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8",
-             256: "4x8x8", 512: "8x8x8"}
-_GRID_2D = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16", 256: "16x16"}
-
-
-@dataclasses.dataclass(frozen=True)
-class Slice:
-    """A TPU slice: 'v5p-128' is 128 TensorCores = 64 chips (v4/v5p count cores, v5e/v6e chips)."""
-
-    name: str
-    generation: str
-    chips: int
-    topology: str  # get_topology_desc name, e.g. 'v5p:4x4x4'
-
-    @property
-    def hbm_bytes(self) -> int:
-        return CHIPS[self.generation]["hbm"]
-
-    @property
-    def peak_flops(self) -> float:
-        return CHIPS[self.generation]["peak"]
-
-    @property
-    def ici_bytes_per_second(self) -> float:
-        return CHIPS[self.generation]["ici"]
-
-
-def parse_slice(name: str) -> Slice:
-    """'v5p-128' -> Slice(generation 'v5p', 64 chips, topology 'v5p:4x4x4')."""
-    match = re.fullmatch(r"(v4|v5p|v5e|v5litepod|v6e)-(\d+)", name)
-    if not match:
-        raise ValueError(f"TPU slice {name!r}: want e.g. v5p-128, v5e-256, v6e-64, v4-32")
-    generation = "v5e" if match.group(1) == "v5litepod" else match.group(1)
-    chips = int(match.group(2)) // CHIPS[generation]["cores_per_chip"]
-    table = _TORUS_3D if generation in ("v4", "v5p") else _GRID_2D
-    if chips not in table:
-        raise ValueError(f"TPU slice {name!r}: {chips} chips is not a known {generation} shape "
-                         f"({sorted(table)})")
-    return Slice(name, generation, chips, f"{generation}:{table[chips]}")
-
+from smelt_jax.hardware import Slice, parse_slice
+from smelt_jax.kernels.backend import choose_expert_backend
+from smelt_jax.model.expert_exchange import buffer_fill
 
 @dataclasses.dataclass(frozen=True)
 class CompileReport:
@@ -92,7 +45,7 @@ class CompileReport:
     layout: dict[str, int]
     remat: str
     expert_impl: str
-    fits: bool
+    peak_fits_hbm: bool  # the compiler accepted it and its peak <= HBM (no headroom: see layout_search)
     error: str | None
     compile_seconds: float
     argument_bytes: int | None = None
@@ -152,7 +105,7 @@ def analyse(report: CompileReport, program_flops_by_kind: dict[str, float] | Non
     `program_flops_by_kind` is the whole program's (all devices; divided here by the device count).
     Pallas kernels enter at `pallas_fill` x their cost estimate: the estimate counts every row of the
     expert-parallel receive buffer, the kernels only compute the rows that carry tokens
-    (`expert_parallel.buffer_fill`).
+    (`model.expert_exchange.buffer_fill`).
     """
     tpu = parse_slice(report.slice)
     devices = tpu.chips
@@ -182,23 +135,11 @@ def analyse(report: CompileReport, program_flops_by_kind: dict[str, float] | Non
     return report
 
 
-# The expert backend a TPU run uses: "auto" resolved *for the TPU platform* (Pallas), since
-# `resolve_impl("auto")` alone reads JAX's default backend, which is the CPU on this machine. Mosaic
-# (Pallas) kernels cannot be partitioned by GSPMD ("Mosaic kernels cannot be automatically
-# partitioned"), so the kernel only compiles inside the expert-parallel shard_map, which the MoE layer
-# takes when the mesh has an `expert` axis > 1; on other multi-device meshes "auto" becomes XLA's
-# partitionable grouped matmul.
-TPU_EXPERT_IMPL = "auto"
-GSPMD_EXPERT_IMPL = "ragged_dot"
-
-
+# The expert backend a TPU run uses, decided as the TPU would run it on `mesh` (this machine's own
+# platform is the CPU, so the platform is named): kernels/backend.choose_expert_backend.
 def _tpu_config(run: RunSpec, remat: str, mesh: jax.sharding.Mesh):
-    from smelt_jax.kernels import resolve_impl
-
-    impl = run.model.expert_impl if run.model.expert_impl != "auto" else TPU_EXPERT_IMPL
-    if impl == "auto" and mesh.shape.get("expert", 1) == 1 and mesh.size > 1:
-        impl = GSPMD_EXPERT_IMPL
-    return run.model.replace(remat=remat, expert_impl=resolve_impl(impl, platform="tpu"))
+    return run.model.replace(remat=remat,
+                             expert_impl=choose_expert_backend(run.model.expert_impl, "tpu", mesh))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,27 +157,24 @@ class _Program:
 
 
 def _program(run: RunSpec, slice_name: str, layout: Parallelism | None, remat: str | None) -> _Program:
-    from smelt_jax.parallel import train_state
+    from smelt_jax.train import state as train_state
     from smelt_jax.train.step import make_train_step, optimizer
 
     tpu = parse_slice(slice_name)
     layout = layout if layout is not None else run.parallelism
     remat = remat if remat is not None else layout.remat
-    mesh = sharding.make_mesh(layout, aot.tpu_topology(tpu.topology).devices)
+    mesh = sharding.make_mesh(layout, aot.tpu_topology(tpu.topology_desc).devices)
     cfg = _tpu_config(run, remat, mesh)
     schedule = run.schedule
     tx = optimizer(schedule)
     plan = train_state.plan_training(cfg, tx, mesh)
     params, opt_state = plan.abstract_state()
     batch = plan.abstract_batch(schedule.batch_size, schedule.seq_len)
-    replicated = sharding.replicated(mesh)
-    lr = jax.ShapeDtypeStruct((), "float32", sharding=replicated)
+    lr = jax.ShapeDtypeStruct((), "float32", sharding=sharding.replicated(mesh))
+    in_shardings, out_shardings = plan.step_shardings(schedule.batch_size, schedule.seq_len)
     return _Program(
         tpu=tpu, mesh=mesh, cfg=cfg, step=make_train_step(plan.graphdef, cfg, tx),
-        args=(params, opt_state, batch, lr),
-        in_shardings=(plan.params_shardings, plan.opt_shardings,
-                      plan.batch_shardings(schedule.batch_size, schedule.seq_len), replicated),
-        out_shardings=(plan.params_shardings, plan.opt_shardings, replicated),
+        args=(params, opt_state, batch, lr), in_shardings=in_shardings, out_shardings=out_shardings,
         budget_flops=budget_lib.train_flops_per_token(cfg) * schedule.tokens_per_step / mesh.size)
 
 
@@ -285,14 +223,14 @@ def compile_run(run: RunSpec, slice_name: str, layout: Parallelism | None = None
             program.step, program.args, program.mesh, in_shardings=program.in_shardings,
             out_shardings=program.out_shardings, donate_argnums=(0, 1))
     except aot.TpuOutOfMemory as err:
-        return CompileReport(**base, fits=False, error=_first_line(err),
+        return CompileReport(**base, peak_fits_hbm=False, error=_first_line(err),
                              compile_seconds=time.perf_counter() - start)
     peak = summary.peak_bytes
     hlo_text = compiled.as_text()
     if hlo_path is not None:
         write_hlo(hlo_path, hlo_text)
     report = CompileReport(
-        **base, fits=peak is None or peak <= tpu.hbm_bytes, error=None,
+        **base, peak_fits_hbm=peak is None or peak <= tpu.hbm_bytes, error=None,
         compile_seconds=summary.compile_seconds, argument_bytes=summary.argument_bytes,
         output_bytes=summary.output_bytes, temp_bytes=summary.temp_bytes, peak_bytes=peak,
         compiled_flops=summary.flops, budget_flops=program.budget_flops,
@@ -359,13 +297,13 @@ def format_report(report: CompileReport) -> str:
     gib = lambda b: "?" if b is None else f"{b / 2**30:.2f} GiB"
     lines = [(f"{report.run_id} on {report.slice}, layout {report.layout}, remat {report.remat}, "
              f"experts {report.expert_impl}: compiled in {report.compile_seconds:.1f} s")]
-    if not report.fits and report.peak_bytes is None:
+    if not report.peak_fits_hbm and report.peak_bytes is None:
         lines.append(f"  OUT OF MEMORY: {report.error}")
         return "\n".join(lines)
     lines.append(f"  per device: arguments {gib(report.argument_bytes)}, temporaries "
                  f"{gib(report.temp_bytes)}, outputs {gib(report.output_bytes)}, peak "
                  f"{gib(report.peak_bytes)} of {gib(report.hbm_bytes)} HBM"
-                 + ("" if report.fits else "  (DOES NOT FIT)"))
+                 + ("" if report.peak_fits_hbm else "  (PEAK OVER HBM)"))
     ratio, program_ratio = report.flops_ratio, report.program_ratio
     lines.append(f"  per-device FLOPs: budget share {report.budget_flops or 0:.3e}; program (loops unrolled) "
                  + (f"{report.program_flops:.3e} (x{program_ratio:.2f})" if program_ratio else "?")

@@ -1,5 +1,6 @@
-"""The train state on a mesh: shardings for parameters, optimizer state and batches, a sharded
-init, and the train step jitted with those shardings and with donation.
+"""The train state, assembled in one place: the model, the abstract state, the shardings of parameters,
+optimizer state and batches, a sharded init, the restore target, and the train step jitted with those
+shardings and with donation. The trainer, the compile tools and evaluation all build it here.
 
     plan = plan_training(cfg, tx, mesh)
     params, opt_state = init_state(plan, seed)            # created already sharded, never whole
@@ -53,6 +54,20 @@ class TrainPlan:
         return {key: jax.ShapeDtypeStruct((batch_size, seq_len), dtype, sharding=shardings[key])
                 for key, dtype in BATCH_KEYS.items()}
 
+    def step_shardings(self, batch_size: int, seq_len: int) -> tuple[tuple, tuple]:
+        """(in_shardings, out_shardings) of train_step(params, opt_state, batch, lr) -> (params,
+        opt_state, metrics): state placed by the rules, metrics and the learning rate replicated."""
+        replicated = sharding.replicated(self.mesh)
+        return ((self.params_shardings, self.opt_shardings, self.batch_shardings(batch_size, seq_len),
+                 replicated),
+                (self.params_shardings, self.opt_shardings, replicated))
+
+    def restore_target(self) -> dict[str, Any]:
+        """{'params', 'opt_state'} as ShapeDtypeStructs with their shardings: what a checkpoint is
+        restored into."""
+        params, opt_state = self.abstract_state()
+        return {"params": params, "opt_state": opt_state}
+
     def abstract_state(self) -> tuple[Any, Any]:
         """(params, opt_state) as ShapeDtypeStructs carrying their target shardings (restore targets,
         AOT arguments). Built by hand: `nnx.eval_shape` drops shardings (flax issue 5110)."""
@@ -62,32 +77,39 @@ class TrainPlan:
                 jax.tree.map(with_sharding, self.abstract_opt_state, self.opt_shardings))
 
 
-def _build_params(cfg: ModelConfig, seed: int):
+def _decoder(cfg: ModelConfig, seed: int):
     from smelt_jax.model import Decoder
-    return nnx.split(Decoder(cfg, rngs=nnx.Rngs(seed)))
+    return Decoder(cfg, rngs=nnx.Rngs(seed))
+
+
+def init_params(cfg: ModelConfig, seed: int) -> tuple[nnx.GraphDef, nnx.State]:
+    """Model graph definition and freshly initialised parameters, on the default device (no mesh)."""
+    return nnx.split(_decoder(cfg, seed))
+
+
+def abstract_train_state(cfg: ModelConfig, tx: optax.GradientTransformation) -> tuple[Any, dict]:
+    """(graphdef, {'params', 'opt_state'} as ShapeDtypeStructs without shardings): the checkpoint's
+    structure, nothing allocated. `TrainPlan.restore_target` adds the mesh's shardings."""
+    graphdef, params = nnx.split(nnx.eval_shape(lambda: _decoder(cfg, 0)))
+    return graphdef, {"params": params, "opt_state": jax.eval_shape(tx.init, params)}
 
 
 def plan_training(cfg: ModelConfig, tx: optax.GradientTransformation, mesh: jax.sharding.Mesh
                   ) -> TrainPlan:
     """Shapes and shardings of params and optimizer state for `cfg` on `mesh` (nothing allocated)."""
-    graphdef, abstract_params = nnx.split(nnx.eval_shape(lambda: _model(cfg)))
-    abstract_opt_state = jax.eval_shape(tx.init, abstract_params)
+    graphdef, abstract = abstract_train_state(cfg, tx)
+    abstract_params, abstract_opt_state = abstract["params"], abstract["opt_state"]
     params_shardings = sharding.param_shardings(abstract_params, mesh)
     opt_shardings = sharding.opt_state_shardings(tx, abstract_opt_state, params_shardings, mesh)
     return TrainPlan(cfg, mesh, graphdef, abstract_params, abstract_opt_state, params_shardings,
                      opt_shardings)
 
 
-def _model(cfg: ModelConfig):
-    from smelt_jax.model import Decoder
-    return Decoder(cfg, rngs=nnx.Rngs(0))
-
-
 def init_state(plan: TrainPlan, tx: optax.GradientTransformation, seed: int) -> tuple[Any, Any]:
     """(params, opt_state) initialised inside one jit whose outputs are already sharded: no device
-    ever holds the whole model. Values equal `smelt_jax.train.step.init_params(cfg, seed)`."""
+    ever holds the whole model. Values equal `init_params(cfg, seed)`."""
     def init():
-        _, params = _build_params(plan.cfg, seed)
+        _, params = init_params(plan.cfg, seed)
         return params, tx.init(params)
     with jax.set_mesh(plan.mesh):
         return jax.jit(init, out_shardings=(plan.params_shardings, plan.opt_shardings))()
@@ -98,13 +120,9 @@ def jit_train_step(plan: TrainPlan, tx: optax.GradientTransformation, batch_size
     """train_step(params, opt_state, batch, lr) -> (params, opt_state, metrics), jitted with input and
     output shardings (metrics replicated). Call it inside `jax.set_mesh(plan.mesh)`: the model's
     activation constraints apply only while a mesh is set."""
-    step = make_train_step(plan.graphdef, plan.cfg, tx)
-    replicated = sharding.replicated(plan.mesh)
-    return jax.jit(step,
-                   in_shardings=(plan.params_shardings, plan.opt_shardings,
-                                 plan.batch_shardings(batch_size, seq_len), replicated),
-                   out_shardings=(plan.params_shardings, plan.opt_shardings, replicated),
-                   donate_argnums=(0, 1) if donate else ())
+    in_shardings, out_shardings = plan.step_shardings(batch_size, seq_len)
+    return jax.jit(make_train_step(plan.graphdef, plan.cfg, tx), in_shardings=in_shardings,
+                   out_shardings=out_shardings, donate_argnums=(0, 1) if donate else ())
 
 
 def jit_eval_step(plan: TrainPlan, batch_size: int, seq_len: int):

@@ -22,7 +22,7 @@ from typing import Any
 
 import jax
 
-from smelt_jax.parallel.program_flops import program_flops
+from smelt_jax.compile.program_flops import program_flops
 
 
 class TpuCompileError(RuntimeError):
@@ -54,7 +54,7 @@ class CompileSummary:
     flops: float | None  # XLA's count: a `while` (scan) body counted once
     bytes_accessed: float | None
     optimal_seconds: float | None
-    # Whole program, all devices, loops x trip count, by primitive kind (`parallel.program_flops`).
+    # Whole program, all devices, loops x trip count, by primitive kind (`compile.program_flops`).
     program_flops: dict[str, float] | None = None
 
     def as_dict(self) -> dict[str, Any]:

@@ -1,11 +1,16 @@
-"""Choosing a parallelism layout for every smelt16 configuration by compiling it for a TPU slice.
+"""Choosing a parallelism layout for every configuration of a suite by compiling it for a TPU slice.
 
-For each configuration, `search_layout` compiles the real train step (`compile_report.compile_run`) for
-the scale's slice with an ordered list of candidate layouts and keeps the first whose peak per-device
-memory is under the chip's HBM. Every compile result is cached as one JSON file under
-data_cache/compile_report/ (key: configuration content, slice, layout, remat, CACHE_VERSION), so an
-interrupted report resumes without recompiling what it already has. `render_table` turns the cached
-results into the markdown table of docs/parallelism.md; `layouts_document` into experiments/layouts.json.
+For each configuration, `search_layout` compiles the real train step (`report.compile_run`) for the
+slice its suite's placement gives its scale, with an ordered list of candidate layouts, and keeps the
+first that fits with headroom (`fits_with_headroom`). Every compile result is cached as one JSON file
+under data_cache/compile_report/ (key: configuration content, slice, layout, remat, CACHE_VERSION), so
+an interrupted report resumes without recompiling what it already has. `compile_suite` is that
+resumable loop over a suite (`smelt compile-report`); `render_table` turns the results into the
+markdown table of docs/parallelism.md; `layouts_document` into the suite's layouts file
+(experiments/layouts.json for smelt16).
+
+The suite's policy (slice per scale, expert axis sizes, which configurations go first) is a
+`SearchPolicy` built in `experiments/placement.py`, next to the suites; nothing here names a suite.
 
 Candidates all have an `expert` axis: the TPU expert backend is a Pallas kernel, which GSPMD cannot
 partition, so it only compiles inside the expert-parallel shard_map (an `expert` axis > 1).
@@ -16,76 +21,39 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from smelt_jax.compile.candidates import Candidate, SearchPolicy, candidates
+from smelt_jax.compile.report import (
+    ANALYSIS_VERSION,
+    CompileReport,
+    analyse,
+    read_hlo,
+    with_accounting,
+)
 from smelt_jax.descriptors import Parallelism, RunSpec, content_hash
-from smelt_jax.parallel.compile_report import ANALYSIS_VERSION, CompileReport, analyse, parse_slice, read_hlo, with_accounting
-from smelt_jax.parallel.layout import layout_key
+from smelt_jax.hardware import parse_slice
+from smelt_jax.parallel.layout import run_key
 
 # Bump when the compiled program or the report's fields change: older cache files are then ignored.
 CACHE_VERSION = 2  # 2: Pallas lane tiles chosen to pad least; HLO kept
 CACHE_DIR = Path(__file__).resolve().parents[2] / "data_cache" / "compile_report"
 
-# Both members of a matched pair always share a slice. v5p-128 (64 chips, 95 GiB HBM each) for 100M,
-# 200M and 600M. 1.6B: the S97 Baseline (54B parameters) compiled on v5p-128 with remat full at
-# 10.3 GiB of arguments + 85.6 GiB of temporaries per chip (over HBM_HEADROOM) and fit v5p-256
-# (5.1 + 42.9 GiB), but the S97 SMELT model needed 143 GB of temporaries there, so 1.6B gets v5p-512.
-SCALE_SLICES = {"100m": "v5p-128", "200m": "v5p-128", "600m": "v5p-128", "1.6b": "v5p-512"}
-# A layout fits when the compiler accepts it, its peak is under HBM, and arguments + temporaries (a
-# bound that ignores their live-range overlap, so above the compiler's peak) stay under this share of
-# HBM: the runtime needs some HBM too, and the compiler's peak came out *below* its temporaries alone.
+# A layout is kept when the compiler accepts it with its peak under HBM (`CompileReport.peak_fits_hbm`)
+# *and* arguments + temporaries (a bound that ignores their live-range overlap, so above the compiler's
+# peak) stay under this share of HBM: the runtime needs some HBM too, and the compiler's peak came out
+# *below* its temporaries alone. `fits_with_headroom` is that test.
 HBM_HEADROOM = 0.95
-EXPERT_AXIS_SIZES = (8,)  # divides every smelt16 expert count (8, 64, 192, 336; 16, 96, 288, 504)
-REMAT_ORDER = ("none", "dots", "full")  # fastest first: the first that fits wins
-# The acceptance pairs first (200M and 1.6B at S~97%), then the grid in suite order.
-PRIORITY = ("200m/s97/baseline", "200m/s97/smelt", "1.6b/s97/baseline", "1.6b/s97/smelt")
 
 
-@dataclasses.dataclass(frozen=True)
-class Candidate:
-    layout: Parallelism  # with tpu_type and remat set
-
-    @property
-    def label(self) -> str:
-        p = self.layout
-        return f"data={p.data},fsdp={p.fsdp},expert={p.expert},tensor={p.tensor},remat={p.remat}"
-
-
-def fits(report: CompileReport) -> bool:
+def fits_with_headroom(report: CompileReport) -> bool:
     """Compiler accepted, peak under HBM, and arguments + temporaries under HBM_HEADROOM x HBM."""
-    if not report.fits or report.hbm_bytes is None:
+    if not report.peak_fits_hbm or report.hbm_bytes is None:
         return False
     total = (report.argument_bytes or 0) + (report.temp_bytes or 0)
     return total <= HBM_HEADROOM * report.hbm_bytes
-
-
-def run_key(run: RunSpec) -> str:
-    return layout_key(run.scale, run.sparsity_label, run.arch)
-
-
-def candidates(run: RunSpec, slice_name: str) -> list[Candidate]:
-    """Ordered candidate layouts for `run` on `slice_name`: expert over 8, fsdp over the largest share of
-    the rest that divides d_model, data over what is left; remat none -> dots -> full. Expert sizes that
-    do not divide the expert count or the chip count are skipped.
-
-    fsdp must divide d_model (the `embed` dimension it shards): otherwise `fit_spec` replicates every
-    weight over fsdp (measured: 1.6B S97 SMELT, d 1848, needed 133-143 GB per chip at fsdp 16 and 32).
-    """
-    chips = parse_slice(slice_name).chips
-    out = []
-    for expert in EXPERT_AXIS_SIZES:
-        if run.model.n_experts % expert or chips % expert:
-            continue
-        rest = chips // expert
-        fsdp = max(f for f in range(1, rest + 1) if rest % f == 0 and run.model.d_model % f == 0)
-        for remat in REMAT_ORDER:
-            out.append(Candidate(Parallelism(data=rest // fsdp, fsdp=fsdp, expert=expert, tensor=1,
-                                             tpu_type=slice_name, remat=remat)))
-    if not out:
-        raise ValueError(f"{run.id}: no candidate layout for {run.model.n_experts} experts on {slice_name}")
-    return out
 
 
 def cache_path(run: RunSpec, candidate: Candidate, cache_dir: Path = CACHE_DIR) -> Path:
@@ -103,6 +71,8 @@ def hlo_path(cache_file: Path) -> Path:
 
 def _report_from_dict(data: dict[str, Any]) -> CompileReport:
     fields = {f.name for f in dataclasses.fields(CompileReport)}
+    if "fits" in data and "peak_fits_hbm" not in data:  # cache files written before the rename
+        data = {**data, "peak_fits_hbm": data["fits"]}
     return CompileReport(**{k: v for k, v in data.items() if k in fields})
 
 
@@ -172,39 +142,40 @@ class SearchResult:
     status: str  # "fits" | "does not fit" | "not compiled (...)"
 
 
-def search_layout(run: RunSpec, compile_fn: Callable[..., CompileReport], *, cache_dir: Path = CACHE_DIR,
-                  skip_reason: str | None = None, log: Callable[[str], None] = lambda line: None
-                  ) -> SearchResult:
-    """Try `candidates(run, slice)` in order and keep the first that fits (cached results reused).
+def search_layout(run: RunSpec, compile_fn: Callable[..., CompileReport], policy: SearchPolicy, *,
+                  cache_dir: Path = CACHE_DIR, skip_reason: str | None = None,
+                  log: Callable[[str], None] = lambda line: None) -> SearchResult:
+    """Try `candidates(run, policy.slice_for(run))` in order and keep the first that fits with headroom
+    (cached results reused).
 
     With a `skip_reason` nothing is compiled: only cached results are used, and a candidate without
     one stops the search with status 'not compiled (skip_reason)'.
     """
-    slice_name = SCALE_SLICES[run.scale]
+    slice_name = policy.slice_for(run)
     tried: list[tuple[str, str]] = []
     last = None
-    for candidate in candidates(run, slice_name):
+    for candidate in candidates(run, slice_name, policy.expert_axis_sizes):
         if skip_reason is not None and not cache_path(run, candidate, cache_dir).exists():
             return SearchResult(run_key(run), run.id, slice_name, None, last, tuple(tried),
                                 f"not compiled ({skip_reason})")
         start = time.perf_counter()
         report, cached = compile_cached(run, candidate, compile_fn, cache_dir)
-        outcome = ("fits" if fits(report) else "out of memory" if not report.fits else
+        outcome = ("fits" if fits_with_headroom(report) else "out of memory" if not report.peak_fits_hbm else
                    f"over {HBM_HEADROOM:.0%} of HBM") + (
             " (cached)" if cached else f" ({time.perf_counter() - start:.0f} s)")
         log(f"  {run_key(run)} {candidate.label}: {outcome}")
         tried.append((candidate.label, outcome))
         last = report
-        if fits(report):
+        if fits_with_headroom(report):
             return SearchResult(run_key(run), run.id, slice_name, candidate.layout, report, tuple(tried),
                                 "fits")
     return SearchResult(run_key(run), run.id, slice_name, None, last, tuple(tried), "does not fit")
 
 
-def ordered(runs: Iterable[RunSpec]) -> list[RunSpec]:
-    """The PRIORITY configurations first, then the rest in their given order."""
+def ordered(runs: Iterable[RunSpec], priority: Sequence[str] = ()) -> list[RunSpec]:
+    """The `priority` configurations first, then the rest in their given order."""
     runs = list(runs)
-    rank = {key: i for i, key in enumerate(PRIORITY)}
+    rank = {key: i for i, key in enumerate(priority)}
     return sorted(runs, key=lambda r: (rank.get(run_key(r), len(rank)), runs.index(r)))
 
 
@@ -280,9 +251,19 @@ def table_row(result: SearchResult) -> str:
             f"| {r.compile_seconds:.0f} |")
 
 
+def _roofline_terms(results: list[SearchResult]) -> tuple[str, str]:
+    """('459 TFLOP/s', '600 GB/s ICI') from the hardware table when every result is on one chip."""
+    chips = {parse_slice(r.slice).chip for r in results}
+    if len(chips) != 1:
+        return "chip peak", "chip ICI bandwidth"
+    chip = chips.pop()
+    return f"{chip.peak_flops / 1e12:.0f} TFLOP/s", f"{chip.ici_bytes_per_second / 1e9:.0f} GB/s ICI"
+
+
 def render_table(results: Iterable[SearchResult], command: str) -> str:
     results = list(results)
     fitted = sum(r.status == "fits" for r in results)
+    peak, ici = _roofline_terms(results)
     intro = (f"Generated by `{command}` (`make compile-report`): {fitted} of {len(results)} "
              "configurations compiled and fit. Per-device numbers from the TPU compiler's program "
              "(compiled, never run). **budget** = train_flops_per_token x tokens per step / chips; "
@@ -293,7 +274,7 @@ def render_table(results: Iterable[SearchResult], command: str) -> str:
              "tile padding); **XLA count** = `cost_analysis()` FLOPs, which count each "
              "loop body once (not a work measure). **Executed collectives** per step with loops x trip "
              "count, and the GiB each device sends (all-reduce twice its size). **step >=** = "
-             "max(program FLOPs / 459 TFLOP/s, GiB sent / 600 GB/s ICI): a roofline lower bound, so "
+             f"max(program FLOPs / {peak}, GiB sent / {ici}): a roofline lower bound, so "
              "**MFU <=** (budget FLOPs / (step x peak)) is an upper bound; 'ragged' projects the ICI time "
              "if the expert all-to-alls sent only their filled rows (`expert_exchange='ragged'`). "
              "Fit = compiler accepted, peak "
@@ -303,7 +284,7 @@ def render_table(results: Iterable[SearchResult], command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-BEGIN = "<!-- compile-report:begin (generated; edit smelt_jax/parallel/layout_search.py instead) -->"
+BEGIN = "<!-- compile-report:begin (generated; edit smelt_jax/compile/layout_search.py instead) -->"
 END = "<!-- compile-report:end -->"
 
 
@@ -315,3 +296,81 @@ def replace_generated(doc: str, generated: str) -> str:
         _, tail = rest.split(END, 1)
         return head + block + tail
     return doc.rstrip("\n") + "\n\n" + block + "\n"
+
+
+@dataclasses.dataclass(frozen=True)
+class SuiteReport:
+    results: tuple[SearchResult, ...]  # in suite order
+    seconds: float
+    written: tuple[Path, ...]          # the files (re)written
+
+    @property
+    def fitted(self) -> int:
+        return sum(r.status == "fits" for r in self.results)
+
+    def summary(self) -> str:
+        return f"{self.fitted} of {len(self.results)} configurations fit; {self.seconds:.0f} s"
+
+
+def compile_suite(runs: Sequence[RunSpec], policy: SearchPolicy, *, suite: str,
+                  only: Iterable[str] = (), time_budget: float | None = None, cached_only: bool = False,
+                  cache_dir: Path = CACHE_DIR, markdown_out: Path | None = None,
+                  json_out: Path | None = None, command: str | None = None,
+                  compile_fn: Callable[..., CompileReport] | None = None,
+                  trace_fn: Callable[..., Any] | None = None,
+                  libtpu: tuple[bool, str] | None = None,
+                  log: Callable[[str], None] = lambda line: None) -> SuiteReport:
+    """Choose a layout for every configuration of `runs` (a suite, in its order); resumable.
+
+    Configurations go in `policy.priority` order. Nothing is compiled (cached results only, the rest
+    reported 'not compiled (why)') when libtpu is unavailable, with `cached_only`, for a configuration
+    outside `only` (scales or layout keys), or once `time_budget` seconds have passed. Reports cached
+    before program FLOPs and collectives were recorded get them (`complete_analysis`). Writes the
+    markdown table section of `markdown_out` and the layouts file `json_out` when given.
+    """
+    from smelt_jax.compile import aot, report
+
+    compile_fn = compile_fn or report.compile_run
+    trace_fn = trace_fn or report.trace_program_flops
+    available, reason = libtpu if libtpu is not None else aot.libtpu_status()
+    runs = list(runs)
+    in_priority = ordered(runs, policy.priority)
+    wanted = set(only)
+    unknown = wanted - {r.scale for r in runs} - {run_key(r) for r in runs}
+    if unknown:
+        raise ValueError(f"--only {sorted(unknown)}: not a scale or key of suite {suite}")
+    start = time.perf_counter()
+    results = {}
+    for i, run in enumerate(in_priority, 1):
+        key = run_key(run)
+        skip = None
+        if not available:
+            skip = f"libtpu unavailable: {reason}"
+        elif cached_only:
+            skip = "not yet: no cached compile; `make compile-report` compiles it"
+        elif wanted and run.scale not in wanted and key not in wanted:
+            skip = "not yet: outside --only in the last report run; `make compile-report` resumes"
+        elif time_budget is not None and time.perf_counter() - start > time_budget:
+            skip = (f"not yet: the last report run stopped at its {time_budget:.0f} s budget; "
+                    "`make compile-report` resumes")
+        log(f"[{i}/{len(in_priority)}] {key} on {policy.slice_for(run)} "
+            f"({time.perf_counter() - start:.0f} s elapsed)" + (f": cached results only ({skip})" if skip else ""))
+        result = search_layout(run, compile_fn, policy, cache_dir=cache_dir, skip_reason=skip, log=log)
+        if available:  # program FLOPs and collectives for reports cached before they were recorded
+            result = complete_analysis(run, result, trace_fn, cache_dir)
+        log(f"  -> {result.status}")
+        results[key] = result
+    in_order = tuple(results[run_key(r)] for r in runs)
+    written = []
+    if markdown_out:
+        out = Path(markdown_out)
+        doc = out.read_text() if out.exists() else "# Parallelism\n"
+        command = command or f"smelt compile-report --suite {suite} --out {markdown_out}"
+        out.write_text(replace_generated(doc, render_table(in_order, command)))
+        log(f"wrote {out}")
+        written.append(out)
+    if json_out:
+        Path(json_out).write_text(layouts_document(in_order, suite))
+        log(f"wrote {json_out}")
+        written.append(Path(json_out))
+    return SuiteReport(in_order, time.perf_counter() - start, tuple(written))
