@@ -1,7 +1,10 @@
 # %% [markdown]
 # # Training curves of a suite
 # Reads every run's `metrics.jsonl` under `<runs root>/<suite>/` (the stable phase and each decay branch)
-# and plots loss against tokens; evaluation lines (`{"step", "eval": {...}}`) give the validation losses.
+# with `smelt_jax.train.metrics_log.read_metrics` (a torn line is skipped with a warning) and plots loss
+# against cumulative training tokens (`tokens`; `step_tokens` is one step's loss-bearing tokens).
+# Steps logged twice (a resumed run repeats the steps after its checkpoint) keep their last record;
+# evaluation lines (`{"step", "eval": {...}}`) give the validation losses.
 
 # %% parameters
 import os
@@ -10,7 +13,6 @@ RUNS_DIR = os.environ.get("SMELT_RUNS_DIR", "runs")
 SUITE = os.environ.get("SMELT_SUITE", "smoke")
 
 # %%
-import json
 from pathlib import Path
 
 import matplotlib
@@ -20,18 +22,18 @@ import matplotlib.pyplot as plt
 import pandas as pd
 
 from smelt_jax.results import read_results
+from smelt_jax.train.metrics_log import latest_per_step, read_metrics
 
 suite_dir = Path(RUNS_DIR) / SUITE
 train_rows, eval_rows = [], []
 for metrics_file in sorted(suite_dir.glob("*/*/metrics.jsonl")):
     run_id, phase = metrics_file.parent.parent.name, metrics_file.parent.name
-    for line in metrics_file.read_text().splitlines():
-        if not line.strip():
-            continue
-        record = json.loads(line)
-        if "eval" in record:
-            eval_rows.append({"run_id": run_id, "phase": phase, "step": record["step"], **record["eval"]})
-        else:
+    records = read_metrics(metrics_file)
+    for record in records:
+        if "eval" in record and isinstance(record["eval"], dict):
+            eval_rows.append({"run_id": run_id, "phase": phase, "step": record.get("step"), **record["eval"]})
+    for record in latest_per_step(records):
+        if "loss" in record:
             train_rows.append({"run_id": run_id, "phase": phase, **record})
 curves = pd.DataFrame(train_rows)
 evals = pd.DataFrame(eval_rows)

@@ -5,7 +5,10 @@ running jobs side by side), so an append holds an exclusive `fcntl.flock` on `re
 table, replaces any row of the same (run_id, branch) — re-appending an endpoint updates it instead of
 duplicating it — and writes the new table to a temporary file that `os.replace` puts in place. A reader
 therefore sees the old table or the new one, never half a row, and a crash mid-write leaves the old table.
-The parquet file is the source of truth; the CSV is rewritten from it on every append.
+The parquet file is the source of truth; the CSV is rewritten from it on every append and by
+`rewrite_csv` (which `smelt results collect` calls), so a damaged or stale CSV never outlives a collect.
+The files get the permissions of any new file (0666 less the umask: group-readable under the usual
+022 umask), not mkstemp's private 0600.
 """
 
 from __future__ import annotations
@@ -111,11 +114,19 @@ def _locked(folder: Path, exclusive: bool) -> Iterator[None]:
             fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
 
 
+def _new_file_mode() -> int:
+    """0666 less the process umask: the mode `open()` would give a new file."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 def _replace_atomically(path: Path, write) -> None:
     """Write through `write(temp_path)` into a temporary sibling, fsync it, then rename it over `path`."""
     handle, temp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(handle)
     try:
+        os.chmod(temp, _new_file_mode())
         write(temp)
         with open(temp, "rb") as written:
             os.fsync(written.fileno())
@@ -155,6 +166,17 @@ def append_result(result: EndpointResult, folder: str | os.PathLike | None = Non
         _replace_atomically(folder / TABLE_NAME, lambda p: table.to_parquet(p, index=False))
         _replace_atomically(folder / CSV_NAME, lambda p: table.to_csv(p, index=False))
     return table
+
+
+def rewrite_csv(folder: str | os.PathLike | None = None) -> bool:
+    """Rewrite results.csv from results.parquet (the source of truth); False if there is no table."""
+    folder = Path(folder) if folder is not None else default_results_dir()
+    if not (folder / TABLE_NAME).exists():
+        return False
+    with _locked(folder, exclusive=True):
+        table = _read_table(folder)
+        _replace_atomically(folder / CSV_NAME, lambda p: table.to_csv(p, index=False))
+    return True
 
 
 def read_results(folder: str | os.PathLike | None = None) -> pd.DataFrame:

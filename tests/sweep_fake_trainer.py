@@ -3,8 +3,9 @@
 It writes the artifacts the real trainer writes, in the same order and the same way, without
 training: the stable phase commits a checkpoint folder per fork step (written under an orbax-style
 temporary name, then renamed, so a kill never leaves a committed half checkpoint) and resumes after
-the last committed one; a branch checks its fork checkpoint, writes `endpoint.json` atomically, then
-appends the row to the results store.
+the last committed one, after moving aside (`<step>.damaged`) any step `rundir.checkpoint_damage`
+finds damaged, as the real trainer does; a branch checks its fork checkpoint, writes `endpoint.json`
+atomically, then appends the row to the results store.
 
 Environment knobs (all optional):
     FAKE_TRAINER_LOG        append "start|end <run id> <phase>" lines here
@@ -27,7 +28,14 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from experiments import find_run
-from smelt_jax.rundir import checkpoint_committed, results_dir, run_dir
+from smelt_jax.rundir import (
+    DAMAGED_SUFFIX,
+    checkpoint_committed,
+    checkpoint_damage,
+    committed_steps,
+    results_dir,
+    run_dir,
+)
 
 
 def log(line: str) -> None:
@@ -64,6 +72,10 @@ def main(argv: list[str]) -> int:
     if branch is None:
         folder = rdir.checkpoints(None)
         marker = Path(os.environ.get("FAKE_TRAINER_LOG", "/nonexistent")).with_suffix(".interrupted")
+        for step in committed_steps(folder):
+            if checkpoint_damage(folder, step):
+                os.rename(folder / str(step), folder / f"{step}{DAMAGED_SUFFIX}")
+                log(f"moved-aside {run.id} {step}")
         for step in sorted(set(run.schedule.fork_steps) | {run.schedule.stable_steps}):
             if checkpoint_committed(folder, step):
                 continue
@@ -78,6 +90,9 @@ def main(argv: list[str]) -> int:
         if not checkpoint_committed(rdir.checkpoints(None), fork):
             print(f"no committed checkpoint at step {fork}", file=sys.stderr)
             return 4
+        if checkpoint_damage(rdir.checkpoints(None), fork):
+            print(f"the checkpoint at step {fork} is damaged", file=sys.stderr)
+            return 2
         time.sleep(sleep)
         from smelt_jax.results import EndpointResult, append_result
         budget = run.budget()

@@ -98,8 +98,8 @@ def test_partial_save_is_ignored_and_all_damaged_is_an_error(tmp_path):
         shutil.copytree(tmp_path / "1", tmp_path / "2.orbax-checkpoint-tmp-1234")
         assert ckpt.all_steps() == [1]
         assert ckpt.restore(_state(0))[0] == 1
-        recorded = json.loads((tmp_path / "1" / CHECKSUM_FILE).read_text())
-        assert recorded and all(len(v) == 64 for v in recorded.values())
+        recorded = json.loads((tmp_path / "1" / CHECKSUM_FILE).read_text())["files"]
+        assert recorded and all(len(v["sha256"]) == 64 and v["size"] >= 0 for v in recorded.values())
         (tmp_path / "1" / "state" / "_METADATA").unlink()
         with pytest.warns(CheckpointCorruptionWarning), pytest.raises(CheckpointError, match="usable"):
             ckpt.restore(_state(0))

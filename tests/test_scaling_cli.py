@@ -7,8 +7,9 @@ import pandas as pd
 import pytest
 from scaling_synthetic import paper_pair_table
 
+from smelt_jax import paper
 from smelt_jax.cli import main
-from smelt_jax.scaling import io, paper, pipeline
+from smelt_jax.scaling import io, pipeline
 
 
 @pytest.fixture(scope="module")

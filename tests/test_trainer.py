@@ -43,7 +43,8 @@ def _losses(root, run, branch=None):
 
 def _params(root, run, step, branch=None):
     with Checkpointer(run_dir(run.suite, run.id, root).checkpoints(branch)) as ckpt:
-        from smelt_jax.train.step import init_params, optimizer
+        from smelt_jax.train.state import init_params
+        from smelt_jax.train.step import optimizer
         _, params = init_params(run.model, 0)
         state = {"params": params, "opt_state": optimizer(run.schedule).init(params)}
         _, restored, _ = ckpt.restore(state, step=step)

@@ -6,8 +6,11 @@ Thin wrappers over smelt_jax.scaling.pipeline; JAX is imported only when a comma
 from __future__ import annotations
 
 import json
+import math
+from pathlib import Path
 
 from smelt_jax.cli import CliError
+from smelt_jax.cli.train import filesystem_errors, one_line_warnings
 
 
 def _floats(text: str, name: str) -> list[float]:
@@ -17,16 +20,30 @@ def _floats(text: str, name: str) -> list[float]:
         raise CliError(f"--{name}: expected comma-separated numbers, got {text!r}") from err
     if not values:
         raise CliError(f"--{name}: no values given")
+    if not all(math.isfinite(v) for v in values):
+        raise CliError(f"--{name}: values must be finite, got {text!r}")
     return values
 
 
+def _check_out_dir(out: str) -> None:
+    path = Path(out)
+    for folder in (path, *path.parents):
+        if folder.exists():
+            if not folder.is_dir():
+                raise CliError(f"--out {out}: {folder} exists and is not a folder")
+            break
+
+
+@filesystem_errors
 def _fit(args) -> int:
     from smelt_jax.scaling import pipeline
 
     if args.bootstrap < 0:
         raise CliError("--bootstrap must be >= 0")
-    coefficients = pipeline.fit_to_dir(args.input, args.law, args.out, arch=args.arch, method=args.method,
-                                       n_bootstrap=args.bootstrap, seed=args.seed)
+    _check_out_dir(args.out)
+    with one_line_warnings():
+        coefficients = pipeline.fit_to_dir(args.input, args.law, args.out, arch=args.arch,
+                                           method=args.method, n_bootstrap=args.bootstrap, seed=args.seed)
     names = [k for k in ("E", "A", "B", "K", "a", "b", "c", "alpha", "beta", "phi") if k in coefficients]
     print(" ".join(f"{k}={coefficients[k]:.6g}" for k in names)
           + f"  rmse={coefficients['rmse']:.5f}  n={coefficients['n_points']}  -> {args.out}/coefficients.json")
@@ -39,7 +56,10 @@ def _gain(args) -> int:
     sparsities = _floats(args.sparsity, "sparsity")
     if any(not 0 <= s < 1 for s in sparsities):
         raise CliError("--sparsity values must lie in [0, 1)")
-    rows = pipeline.gain_report(args.reference, args.target, _floats(args.compute, "compute"), sparsities)
+    computes = _floats(args.compute, "compute")
+    if any(c <= 0 for c in computes):
+        raise CliError(f"--compute values must be positive FLOP counts, got {args.compute!r}")
+    rows = pipeline.gain_report(args.reference, args.target, computes, sparsities)
     if args.json:
         print(json.dumps(pipeline._round(rows), indent=2, sort_keys=True))
     else:
@@ -48,6 +68,7 @@ def _gain(args) -> int:
     return 0
 
 
+@filesystem_errors
 def _tables(args) -> int:
     from smelt_jax.scaling import pipeline
 
@@ -56,6 +77,7 @@ def _tables(args) -> int:
     return 0
 
 
+@filesystem_errors
 def _fits_all(args) -> int:
     from smelt_jax.scaling import pipeline
 

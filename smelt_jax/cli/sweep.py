@@ -7,14 +7,17 @@ import shlex
 from pathlib import Path
 
 from smelt_jax.cli import CliError
+from smelt_jax.cli.train import filesystem_errors
 from smelt_jax.sweep.graph import JobGraph, JobStatus, count_statuses, suite_graph
 
 BACKENDS = ("local", "xpk", "tpu-vm")
 
 
 def _user_errors(handler):
-    """Missing tools, a busy or failed sweep: one line (exit 2), not a traceback."""
+    """Missing tools, a busy or failed sweep, a read-only or full runs root: one line (exit 2), not
+    a traceback."""
     @functools.wraps(handler)
+    @filesystem_errors
     def wrapped(args) -> int:
         try:
             return handler(args)
@@ -94,6 +97,10 @@ def cmd_status(args) -> int:
     written, expected = _endpoint_counts(graph, root)
     rows = counts["done"] - sum(statuses[j.name] == JobStatus.DONE for j in graph.jobs if j.is_stable)
     print(f"endpoints: {written} written, {rows} in the results store, {expected} expected")
+    damaged = [job for job in graph.jobs if statuses[job.name] == JobStatus.DAMAGED]
+    for job in damaged:
+        print(f"damaged: {job.name} ({job.run.id}): a checkpoint it must provide is damaged; "
+              f"`smelt train {job.run.id}` (or submitting the sweep) moves it aside and retrains it")
     return 0
 
 

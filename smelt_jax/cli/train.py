@@ -2,12 +2,71 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
+import functools
 import json
+import logging
+import math
 import sys
+import warnings
 
+from smelt_jax.cli import CliError
 from smelt_jax.config import ConfigError
 from smelt_jax.descriptors import RunSpec
+
+# Filesystem errors a user can fix (read-only or full disk, no permission, a file where a folder
+# should be): one line and exit 2 instead of a traceback.
+USER_FS_ERRNOS = {errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT, errno.ENOTDIR,
+                  errno.EISDIR, errno.EEXIST}
+
+
+def filesystem_errors(handler):
+    """Decorator for CLI handlers: an OSError the user can fix becomes a one-line CliError."""
+    @functools.wraps(handler)
+    def wrapped(args) -> int:
+        try:
+            return handler(args)
+        except OSError as err:
+            if err.errno not in USER_FS_ERRNOS:
+                raise
+            where = f" {err.filename}" if err.filename else ""
+            raise CliError(f"cannot write{where}: {err.strerror or err}") from err
+    return wrapped
+
+
+def _check_value(key: str, old, value, annotation: str = ""):
+    """`value` converted to the type of the field's current value `old`; ConfigError if it cannot be.
+    `null` is accepted for fields whose annotation allows None."""
+    def fail(want: str):
+        return ConfigError(f"override {key}={json.dumps(value)}: expected {want}")
+
+    if old is None or (value is None and ("None" in annotation or "Optional" in annotation)):
+        return value
+    if isinstance(old, bool):
+        if not isinstance(value, bool):
+            raise fail("true or false")
+        return value
+    if isinstance(old, int):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise fail("an integer")
+        return value
+    if isinstance(old, float):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise fail("a finite number")
+        return float(value)
+    if isinstance(old, str):
+        if not isinstance(value, str):
+            raise fail("a string")
+        return value
+    if isinstance(old, (tuple, list)):
+        if not isinstance(value, list):
+            raise fail("a JSON list, e.g. [1,2]")
+        if old:
+            return [_check_value(key, old[0], v) for v in value]
+        return value
+    return value
 
 
 def apply_overrides(run: RunSpec, overrides: list[str]) -> RunSpec:
@@ -15,8 +74,9 @@ def apply_overrides(run: RunSpec, overrides: list[str]) -> RunSpec:
     (`schedule.peak_lr=1e-3`; bare schedule keys work when the model has no such field). Values
     are JSON (numbers, lists, null) or plain strings. The run's id changes with its content."""
     model, schedule = run.model.to_dict(), run.schedule.to_dict()
-    model_fields = {f.name for f in dataclasses.fields(run.model)}  # to_dict leaves some defaults out
-    schedule_fields = {f.name for f in dataclasses.fields(run.schedule)}
+    # to_dict leaves some defaults out; {name: annotation}
+    model_fields = {f.name: str(f.type) for f in dataclasses.fields(run.model)}
+    schedule_fields = {f.name: str(f.type) for f in dataclasses.fields(run.schedule)}
     for item in overrides:
         key, sep, text = item.partition("=")
         if not sep:
@@ -29,47 +89,130 @@ def apply_overrides(run: RunSpec, overrides: list[str]) -> RunSpec:
         if section not in ("", "model", "schedule"):
             raise ConfigError(f"override {key!r}: section must be model or schedule")
         if section in ("", "model") and name in model_fields:
-            model[name] = value
+            model[name] = _check_value(key, getattr(run.model, name), value, model_fields[name])
         elif section in ("", "schedule") and name in schedule_fields:
-            schedule[name] = value
+            schedule[name] = _check_value(key, getattr(run.schedule, name), value,
+                                          schedule_fields[name])
         else:
             raise ConfigError(f"override {key!r}: no such model or schedule field")
-    return dataclasses.replace(run, model=type(run.model).from_dict(model),
-                               schedule=type(run.schedule).from_dict(schedule))
+    try:
+        return dataclasses.replace(run, model=type(run.model).from_dict(model),
+                                   schedule=type(run.schedule).from_dict(schedule))
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"--override {' '.join(overrides)}: {err}") from err
 
 
+def _one_line_warning(message, category, filename, lineno, line=None) -> str:
+    return f"smelt: warning: {message}\n"
+
+
+class _NoOrphanFutureErrors(logging.Filter):
+    """asyncio's "Future/Task exception was never retrieved": orbax's background writers after a
+    failed save, which the trainer reports itself (one line)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "exception was never retrieved" not in str(record.msg)
+
+
+@contextlib.contextmanager
+def one_line_warnings():
+    """Warnings print as `smelt: warning: ...` (one line) inside the block."""
+    previous = warnings.formatwarning
+    warnings.formatwarning = _one_line_warning
+    try:
+        yield
+    finally:
+        warnings.formatwarning = previous
+
+
+_QUIETED = False
+
+
+def _quiet_closed_loops() -> None:
+    """After a failed save, tensorstore callbacks still post to orbax's closed event loops (Python
+    prints each as "Exception ignored ... Event loop is closed" with a traceback) and asyncio logs,
+    when they are garbage collected, the futures nobody awaits any more ("... exception was never
+    retrieved"), up to the process's exit. The trainer reports the failure itself, in one line, so
+    these two kinds of messages are dropped for the rest of the process (nothing else is)."""
+    global _QUIETED
+    if _QUIETED:
+        return
+    _QUIETED = True
+    logging.getLogger("asyncio").addFilter(_NoOrphanFutureErrors())
+    previous = sys.unraisablehook
+
+    def hook(unraisable) -> None:
+        err = unraisable.exc_value
+        if isinstance(err, RuntimeError) and str(err) == "Event loop is closed":
+            return
+        previous(unraisable)
+
+    sys.unraisablehook = hook
+
+
+def parse_profile(text: str | None) -> tuple[int, int] | int | None:
+    """`--profile STEPS` (the STEPS steps after the first one this process runs) or `START:STOP`
+    (steps START..STOP-1, absolute); ValueError (one line, exit 2) otherwise."""
+    if text is None:
+        return None
+    try:
+        if ":" in text:
+            start, _, stop = text.partition(":")
+            return int(start), int(stop)
+        return int(text)
+    except ValueError:
+        raise ValueError(f"--profile {text!r}: expected STEPS or START:STOP (integers)") from None
+
+
+@filesystem_errors
 def cmd_train(args) -> int:
+    # Every option is checked before start-up (ValueError / ConfigError: one line, exit 2).
+    from smelt_jax.train.trainer import TrainOptions
+    options = TrainOptions(log_every=args.log_every, checkpoint_every=args.checkpoint_every,
+                           eval_every=args.eval_every, stop_after=args.stop_after,
+                           progress=not args.no_progress, profile=parse_profile(args.profile),
+                           tensorboard=not args.no_tensorboard)
+    import experiments
+    run = apply_overrides(experiments.find_run(args.id), args.override or [])
+    if args.branch is not None and not 0 <= args.branch < len(run.schedule.fork_steps):
+        raise ValueError(f"--branch {args.branch}: {run.id} has branches 0..{len(run.schedule.fork_steps) - 1}")
+    from smelt_jax.parallel.layout import parse_layout
+    parallelism = parse_layout(args.layout, run.parallelism) if args.layout else run.parallelism
+    if args.remat:
+        parallelism = dataclasses.replace(parallelism, remat=args.remat)
+
     from smelt_jax.parallel import distributed
 
     # Before anything touches a device: join the multi-host job (a no-op on one machine).
     distributed.initialize(args.coordinator, args.num_processes, args.process_id)
-    import experiments
-    from smelt_jax.parallel.layout import parse_layout
+    from smelt_jax.train.checkpoint import CheckpointSaveError
+    from smelt_jax.train.lock import LockHeld, LockLost
     from smelt_jax.train.trainer import (
         NONFINITE_EXIT_CODE,
         PREEMPTED_EXIT_CODE,
         NonFiniteLoss,
         Preempted,
-        TrainOptions,
         train,
     )
-    run = apply_overrides(experiments.find_run(args.id), args.override or [])
-    parallelism = parse_layout(args.layout, run.parallelism) if args.layout else run.parallelism
-    if args.remat:
-        parallelism = dataclasses.replace(parallelism, remat=args.remat)
-    if args.branch is not None and not 0 <= args.branch < len(run.schedule.fork_steps):
-        raise ValueError(f"--branch {args.branch}: {run.id} has branches 0..{len(run.schedule.fork_steps) - 1}")
-    options = TrainOptions(log_every=args.log_every, checkpoint_every=args.checkpoint_every,
-                           eval_every=args.eval_every, stop_after=args.stop_after,
-                           progress=not args.no_progress)
+    corpus = None
+    if args.data_dir:
+        from smelt_jax.data.token_store import open_dataset
+        corpus = open_dataset(args.data_dir)
+        if corpus.tokenizer.vocab_size > run.model.vocab:
+            raise ValueError(f"--data-dir {args.data_dir}: its tokenizer has {corpus.tokenizer.vocab_size} "
+                             f"ids, the model's vocabulary {run.model.vocab}; use --override vocab=N")
+    _quiet_closed_loops()
     try:
-        summary = train(run, args.branch, options=options, parallelism=parallelism)
+        with one_line_warnings():
+            summary = train(run, args.branch, options=options, parallelism=parallelism, corpus=corpus)
     except Preempted as err:
         print(f"smelt: {err}", file=sys.stderr)
         return PREEMPTED_EXIT_CODE
     except NonFiniteLoss as err:
         print(f"smelt: error: {err}", file=sys.stderr)
         return NONFINITE_EXIT_CODE
+    except (LockHeld, LockLost, CheckpointSaveError) as err:
+        raise CliError(str(err)) from None
     print(json.dumps({k: v for k, v in summary.items() if k != "endpoint"}))
     return 0
 
@@ -83,14 +226,23 @@ def register(subparsers) -> None:
     p.add_argument("--branch", type=int, help="decay branch index (forks at schedule.fork_steps[K])")
     p.add_argument("--override", action="append", metavar="KEY=VALUE",
                    help="change a model or schedule field (the run id changes with it)")
-    p.add_argument("--log-every", type=int, default=10)
-    p.add_argument("--checkpoint-every", type=int, default=100)
+    p.add_argument("--data-dir", help="token store (smelt data prepare; local or gs://) or corpus folder "
+                                       "(default: the embedded corpus)")
+    p.add_argument("--log-every", type=int, default=10, help="log metrics every N steps (default 10)")
+    p.add_argument("--checkpoint-every", type=int, default=100,
+                   help="save a checkpoint every N steps (default 100; fork steps are always saved)")
     p.add_argument("--eval-every", type=int, default=0, help="0: at the end of the phase only")
     p.add_argument("--stop-after", type=int, help="save and exit 42 after this many steps")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--profile", metavar="STEPS|START:STOP",
+                   help="write a jax.profiler trace into <phase>/profile/: of the STEPS steps after "
+                        "the first one this process runs (it compiles), or of steps START..STOP-1")
+    p.add_argument("--no-tensorboard", action="store_true",
+                   help="no TensorBoard event files in <phase>/tensorboard/")
     p.add_argument("--layout", help="mesh sizes, e.g. data=-1,fsdp=8,expert=4 (default: the run's)")
-    p.add_argument("--remat", choices=("none", "full", "dots", "dots_no_batch"))
+    p.add_argument("--remat", choices=("none", "full", "dots", "dots_no_batch"),
+                   help="rematerialisation policy (default: the run's layout)")
     p.add_argument("--coordinator", help="host:port of process 0 (multi-host without auto-detection)")
-    p.add_argument("--num-processes", type=int)
-    p.add_argument("--process-id", type=int)
+    p.add_argument("--num-processes", type=int, help="processes in a multi-host job (with --coordinator)")
+    p.add_argument("--process-id", type=int, help="this process's index (with --coordinator)")
     p.set_defaults(handler=cmd_train)

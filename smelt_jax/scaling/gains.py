@@ -11,12 +11,27 @@ import numpy as np
 
 from smelt_jax.scaling.laws import SmeltLaw
 
+# Far above any training run (all of today's computing is ~1e30 FLOP/year); beyond it the frontier
+# losses are numerically at E and the gains (1 - C/C_ref) are artefacts (-4e271 at C=1e300).
+MAX_COMPUTE = 1e40
+
 
 def ce_gain(reference: SmeltLaw, target: SmeltLaw, compute, sparsity):
     """CE(C, S) = 1 - C / C_ref (broadcasting compute and sparsity)."""
     compute = np.asarray(compute, float)
     loss = target.frontier_loss(compute, sparsity)
     return 1.0 - compute / reference.compute_for_loss(loss, sparsity)
+
+
+def _gain_row(reference: SmeltLaw, target: SmeltLaw, c: float, s: float) -> dict:
+    row = {"C": c, "S": s, "ce_gain": float(ce_gain(reference, target, c, s)),
+           "loss_target": float(target.frontier_loss(c, s)),
+           "loss_reference": float(reference.frontier_loss(c, s))}
+    for tag, law in (("reference", reference), ("target", target)):
+        row[f"F_{tag}"] = float(law.optimal_flops_per_token(c, s))
+        row[f"D_{tag}"] = float(law.optimal_tokens(c, s))
+        row[f"tpp_{tag}"] = float(law.tokens_per_parameter(c, s))
+    return row
 
 
 def gain_rows(reference: SmeltLaw, target: SmeltLaw, computes, sparsities, *, compute_range=None,
@@ -26,23 +41,25 @@ def gain_rows(reference: SmeltLaw, target: SmeltLaw, computes, sparsities, *, co
     compute_range: (C_min, C_max) of the fitted data; rows outside are flagged `extrapolated`.
     reference_draws / target_draws: paired lists of bootstrap laws; add `ce_lo`, `ce_hi` percentiles.
     """
+    computes = [float(v) for v in computes]
+    bad = [v for v in computes if not (np.isfinite(v) and 0 < v <= MAX_COMPUTE)]
+    if bad:
+        raise ValueError(f"compute must be positive and finite FLOPs, at most {MAX_COMPUTE:g}; got {bad}")
     rows = []
-    for c in sorted(float(v) for v in computes):
+    for c in sorted(computes):
         for s in sorted(float(v) for v in sparsities):
-            row = {"C": c, "S": s, "ce_gain": float(ce_gain(reference, target, c, s)),
-                   "loss_target": float(target.frontier_loss(c, s)),
-                   "loss_reference": float(reference.frontier_loss(c, s))}
-            for tag, law in (("reference", reference), ("target", target)):
-                row[f"F_{tag}"] = float(law.optimal_flops_per_token(c, s))
-                row[f"D_{tag}"] = float(law.optimal_tokens(c, s))
-                row[f"tpp_{tag}"] = float(law.tokens_per_parameter(c, s))
-            if compute_range is not None:
-                row["extrapolated"] = bool(c < compute_range[0] or c > compute_range[1])
-            if reference_draws is not None and target_draws is not None:
-                draws = np.array([ce_gain(r, t, c, s) for r, t in zip(reference_draws, target_draws)])
-                tail = 50.0 * (1.0 - level)
-                row["ce_lo"] = float(np.percentile(draws, tail))
-                row["ce_hi"] = float(np.percentile(draws, 100.0 - tail))
+            # A degenerate law can give non-finite values at a valid compute: kept as such (tables
+            # write n/a, scaling.health reports them), never turned into an error here.
+            with np.errstate(all="ignore"):
+                row = _gain_row(reference, target, c, s)
+                if compute_range is not None:
+                    row["extrapolated"] = bool(c < compute_range[0] or c > compute_range[1])
+                if reference_draws is not None and target_draws is not None:
+                    draws = np.array([ce_gain(r, t, c, s) for r, t in zip(reference_draws, target_draws)])
+                    draws = draws[np.isfinite(draws)]  # a degenerate draw has no gain to rank
+                    tail = 50.0 * (1.0 - level)
+                    row["ce_lo"] = float(np.percentile(draws, tail)) if draws.size else float("nan")
+                    row["ce_hi"] = float(np.percentile(draws, 100.0 - tail)) if draws.size else float("nan")
             rows.append(row)
     return rows
 

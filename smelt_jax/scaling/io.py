@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +17,13 @@ REQUIRED = {"smelt": ("arch", "F", "S", "D", "loss", "cell"), "chinchilla": ("N"
             "looped": ("N_once", "N_rec", "r", "D", "loss")}
 POSITIVE = {"smelt": ("F", "D", "loss"), "chinchilla": ("N", "D", "loss"),
             "looped": ("N_once", "N_rec", "r", "D", "loss")}
+# No FLOP count, parameter count or token count of a real run comes near this; beyond it a typo (1e300)
+# only overflows inside the fit, far from the column that caused it.
+MAX_MAGNITUDE = 1e60
+
+
+class DuplicateRowsWarning(UserWarning):
+    """Rows of a fit's input repeat the same point: each counts once more in the fit."""
 
 
 def read_table(path) -> pd.DataFrame:
@@ -42,18 +50,23 @@ def validate(table: pd.DataFrame, law_name: str, source: str = "table") -> pd.Da
         values = pd.to_numeric(table[col], errors="coerce")
         bad = ~np.isfinite(values.to_numpy(float))
         if bad.any():
-            raise ValueError(f"{source}: column {col!r} has NaN or non-numeric values in rows "
-                             f"{list(np.flatnonzero(bad)[:5])}")
+            raise ValueError(f"{source}: column {col!r} has NaN, infinite or non-numeric values in "
+                             f"rows {np.flatnonzero(bad)[:5].tolist()}")
+        huge = np.abs(values.to_numpy(float)) > MAX_MAGNITUDE
+        if huge.any():
+            raise ValueError(f"{source}: column {col!r} has values beyond {MAX_MAGNITUDE:g} in rows "
+                             f"{np.flatnonzero(huge)[:5].tolist()} (e.g. {values[huge].iloc[0]:g}); a typo?")
     for col in POSITIVE[law_name]:
         bad = table[col].to_numpy(float) <= 0
         if bad.any():
-            raise ValueError(f"{source}: column {col!r} must be > 0; rows {list(np.flatnonzero(bad)[:5])}")
+            raise ValueError(f"{source}: column {col!r} must be > 0; rows {np.flatnonzero(bad)[:5].tolist()}")
     if law_name == "smelt":
         s = table["S"].to_numpy(float)
         if ((s < 0) | (s >= 1)).any():
             raise ValueError(f"{source}: column 'S' must lie in [0, 1)")
     if law_name == "looped" and (table["r"].to_numpy(float) < 1).any():
         raise ValueError(f"{source}: column 'r' must be >= 1")
+    warn_duplicates(table, law_name, source)
     n_params = len(LAWS[law_name].param_names)
     if len(table) <= n_params:
         raise ValueError(f"{source}: {len(table)} rows is too few to fit the {n_params} parameters of the "
@@ -62,6 +75,22 @@ def validate(table: pd.DataFrame, law_name: str, source: str = "table") -> pd.Da
     if "cell" not in table.columns:
         table["cell"] = np.arange(len(table))
     return table.reset_index(drop=True)
+
+
+def warn_duplicates(table: pd.DataFrame, law_name: str, source: str = "table") -> int:
+    """Warn (DuplicateRowsWarning) when rows repeat a point of the law's inputs (identical rows, or
+    the same inputs with another loss); returns the number of repeated rows."""
+    keys = [c for c in REQUIRED[law_name] if c not in ("loss", "cell")]
+    repeated = table.duplicated(subset=keys, keep="first")
+    count = int(repeated.sum())
+    if count:
+        identical = int(table.duplicated(subset=keys + ["loss"], keep="first").sum())
+        rows = np.flatnonzero(table.duplicated(subset=keys, keep=False).to_numpy())[:8].tolist()
+        warnings.warn(f"{source}: {count} row(s) repeat the {'/'.join(keys)} of an earlier row "
+                      f"({identical} identical, {count - identical} with another loss; rows {rows}); "
+                      "each repeat weighs that point once more in the fit: drop them if unintended",
+                      DuplicateRowsWarning, stacklevel=3)
+    return count
 
 
 def repo_root() -> Path:

@@ -40,13 +40,17 @@ def endpoint_result(row: dict):
 
 
 def _append_missing(suite: str, rows: list[dict], store_root: Path) -> int:
-    from smelt_jax.results import append_result
+    """Append the rows missing from the store; then rewrite the CSV from the parquet table, so a
+    truncated or stale results.csv is repaired even when nothing was missing."""
+    from smelt_jax.results import append_result, rewrite_csv
     stored = stored_endpoint_keys(suite, store_root)
     appended = 0
     for row in rows:
         if (row.get("run_id"), row.get("branch")) not in stored:
             append_result(endpoint_result(row), results_dir(suite, store_root))
             appended += 1
+    if not appended:
+        rewrite_csv(results_dir(suite, store_root))
     return appended
 
 

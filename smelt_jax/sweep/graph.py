@@ -1,11 +1,16 @@
 """The job graph of a suite: per run one stable job and one job per decay branch.
 
 A branch job depends on the stable job only through an artifact: it is READY as soon as the stable
-run's checkpoint at its fork step is committed, so it may start while the stable run continues. A
-job is DONE only when its artifacts exist, never because a scheduler said so:
+run's checkpoint at its fork step is committed and whole, so it may start while the stable run
+continues. A job is DONE only when its artifacts exist, never because a scheduler said so:
 
-    stable job   the committed checkpoint at `schedule.stable_steps`
+    stable job   the committed, whole checkpoint at `schedule.stable_steps`
     branch job   `branch<k>/endpoint.json` AND its row in the suite's results store
+
+"Whole" is `rundir.checkpoint_damage`'s cheap check (every file the step's checksum file records is
+there with its size). A stable job whose final checkpoint, or the fork checkpoint of a branch not done
+yet, is damaged is DAMAGED: it must run again (its trainer moves the damaged step aside and retrains
+it), and the branches forking from a damaged step stay PENDING until it has.
 
 Job names are `<model>-<phase>-<hash>`: `model` says what trains (arch, scale, sparsity, variant),
 `phase` is `stable` or `b<k>`, and `hash` digests the run id (itself a content hash) and the phase.
@@ -24,7 +29,7 @@ from pathlib import Path
 
 from smelt_jax.config import content_hash
 from smelt_jax.descriptors import RunSpec
-from smelt_jax.rundir import committed_steps, results_dir, run_dir, runs_root
+from smelt_jax.rundir import checkpoint_damage, committed_steps, results_dir, run_dir, runs_root
 
 # JobSet names child Jobs `<jobset>-<replicated job>-<index>` and Pods add `-<index>-<5 chars>`, all
 # within 63 characters; xpk also caps workload names. 40 leaves room for both.
@@ -39,6 +44,12 @@ class JobStatus(str, enum.Enum):
     RUNNING = "running"  # a backend reports a live process (local backend only)
     DONE = "done"        # its artifacts exist
     FAILED = "failed"    # its last attempt exited with an error (local backend only)
+    DAMAGED = "damaged"  # a stable job whose needed checkpoint is damaged: runs again to repair it
+
+    @property
+    def runnable(self) -> bool:
+        """May be started now (READY, or DAMAGED: the trainer repairs the damaged checkpoint)."""
+        return self in (JobStatus.READY, JobStatus.DAMAGED)
 
 
 def is_valid_job_name(name: str) -> bool:
@@ -167,23 +178,25 @@ def stored_endpoint_keys(suite: str, root: Path) -> set[tuple]:
 
 def artifact_statuses(graph: JobGraph, root: Path | None = None,
                       known_done: frozenset[str] = frozenset()) -> dict[str, JobStatus]:
-    """PENDING / READY / DONE for every job, from the files under the runs root alone. Jobs in
-    `known_done` are not checked again (artifacts are never removed during a sweep)."""
+    """PENDING / READY / DAMAGED / DONE for every job, from the files under the runs root alone.
+    Jobs in `known_done` are not checked again (artifacts are never removed during a sweep)."""
     root = Path(root) if root is not None else runs_root()
     stored: set[tuple] | None = None  # read once, and only if some endpoint exists
     out: dict[str, JobStatus] = {}
-    steps_cache: dict[str, list[int]] = {}
-    for job in graph.jobs:
+    good_cache: dict[str, set[int]] = {}
+    damaged_cache: dict[str, set[int]] = {}
+    for job in graph.jobs:  # branches first; a stable job's status depends on theirs (below)
         if job.name in known_done:
             out[job.name] = JobStatus.DONE
             continue
         rdir = run_dir(graph.suite, job.run.id, root)
-        if job.run.id not in steps_cache:
-            steps_cache[job.run.id] = committed_steps(rdir.checkpoints(None))
-        steps = steps_cache[job.run.id]
+        if job.run.id not in good_cache:
+            folder = rdir.checkpoints(None)
+            steps = committed_steps(folder)
+            damaged_cache[job.run.id] = {s for s in steps if checkpoint_damage(folder, s)}
+            good_cache[job.run.id] = set(steps) - damaged_cache[job.run.id]
+        good = good_cache[job.run.id]
         if job.is_stable:
-            done = job.run.schedule.stable_steps in steps
-            out[job.name] = JobStatus.DONE if done else JobStatus.READY
             continue
         endpoint = rdir.endpoint(job.branch)
         if endpoint.exists():
@@ -192,8 +205,19 @@ def artifact_statuses(graph: JobGraph, root: Path | None = None,
             if (job.run.id, job.branch) in stored:
                 out[job.name] = JobStatus.DONE
                 continue
-        out[job.name] = JobStatus.READY if job.fork_step in steps else JobStatus.PENDING
-    return out
+        out[job.name] = JobStatus.READY if job.fork_step in good else JobStatus.PENDING
+    for job in graph.jobs:
+        if not job.is_stable or job.name in out:
+            continue
+        good, damaged = good_cache[job.run.id], damaged_cache[job.run.id]
+        final = job.run.schedule.stable_steps
+        needed = {final} | {j.fork_step for j in graph.jobs
+                            if j.run.id == job.run.id and not j.is_stable and out[j.name] != JobStatus.DONE}
+        if needed & damaged:
+            out[job.name] = JobStatus.DAMAGED
+        else:
+            out[job.name] = JobStatus.DONE if final in good else JobStatus.READY
+    return {job.name: out[job.name] for job in graph.jobs}
 
 
 def count_statuses(statuses: dict[str, JobStatus]) -> dict[str, int]:

@@ -258,7 +258,7 @@ def _sweep(graph: JobGraph, settings: LocalSettings, root: Path) -> dict[str, Jo
             for name in order:
                 if slots <= 0:
                     break
-                if (statuses[name] == JobStatus.READY and name not in procs and name not in adopted
+                if (statuses[name].runnable and name not in procs and name not in adopted
                         and name not in failed):
                     launch(by_name[name])
                     slots -= 1
@@ -318,6 +318,9 @@ def failure_summary(graph: JobGraph, statuses: dict[str, JobStatus], root: Path)
             entry = entries.get(job.name, {})
             why = entry.get("error") or f"exit code {entry.get('exit_code')}"
             lines.append(f"  {job.name} ({job.run.id} {job.phase}) failed: {why}; log {entry.get('log')}")
+        elif status == JobStatus.DAMAGED:
+            lines.append(f"  {job.name} ({job.run.id} {job.phase}) not run: a checkpoint it must "
+                         f"provide is damaged (`smelt train {job.run.id}` moves it aside and retrains it)")
         elif status != JobStatus.DONE:
             lines.append(f"  {job.name} ({job.run.id} {job.phase}) not run: {status.value} "
                          f"(waits for the stable checkpoint at step {job.fork_step})")

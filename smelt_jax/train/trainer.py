@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from smelt_jax import budget as budget_lib
+from smelt_jax import hardware
 from smelt_jax import sharding
 from smelt_jax.descriptors import Parallelism, RunSpec
 from smelt_jax.rundir import RunDir, results_dir, run_dir
@@ -34,11 +35,6 @@ from smelt_jax.train.step import optimizer
 
 PREEMPTED_EXIT_CODE = 42
 NONFINITE_EXIT_CODE = 3
-
-# Dense bf16 peak FLOP/s per chip, by jax device_kind prefix (vendor data sheets).
-PEAK_FLOPS = {"TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5p": 459e12,
-              "TPU v5": 459e12, "TPU v6 lite": 918e12, "TPU v6e": 918e12, "NVIDIA H100": 989e12,
-              "NVIDIA H200": 989e12, "NVIDIA A100": 312e12}
 
 
 class Preempted(Exception):
@@ -60,14 +56,45 @@ class TrainOptions:
     stop_after: int | None = None  # save and raise Preempted after this many steps (tests, chunking)
     progress: bool = True
     peak_flops: float | None = None  # None: by device kind; on CPU a measured matmul rate
+    # jax.profiler trace into <phase>/profile/: (start, stop) traces the steps start..stop-1 (the
+    # updates from step `start` to step `stop`); an int N traces the N steps after the first step this
+    # process runs (that one compiles). None: no trace.
+    profile: tuple[int, int] | int | None = None
+    tensorboard: bool = True  # event files in <phase>/tensorboard/ (smelt_jax.train.tensorboard)
+
+    def __post_init__(self) -> None:
+        """Bad options fail here, before any start-up work (ValueError: one line, exit 2)."""
+        minimum = {"log_every": 1, "checkpoint_every": 1, "eval_every": 0, "eval_tokens": 1,
+                   "eval_batch_size": 1, "max_to_keep": 1}
+        for name, low in minimum.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"--{name.replace('_', '-')} must be an integer >= {low}, got {value!r}")
+        if self.stop_after is not None and (isinstance(self.stop_after, bool)
+                                            or not isinstance(self.stop_after, int)
+                                            or self.stop_after < 1):
+            raise ValueError(f"--stop-after must be an integer >= 1, got {self.stop_after!r}")
+        if self.peak_flops is not None and not (isinstance(self.peak_flops, (int, float))
+                                                and 0 < self.peak_flops < float("inf")):
+            raise ValueError(f"peak_flops must be a positive finite number, got {self.peak_flops!r}")
+        profile = self.profile
+        if profile is not None:
+            if isinstance(profile, (tuple, list)):
+                ok = (len(profile) == 2 and all(isinstance(v, int) and not isinstance(v, bool)
+                                                for v in profile) and 0 <= profile[0] < profile[1])
+            else:
+                ok = isinstance(profile, int) and not isinstance(profile, bool) and profile >= 1
+            if not ok:
+                raise ValueError("--profile must be STEPS (an integer >= 1) or START:STOP (integers, "
+                                 f"0 <= START < STOP), got {profile!r}")
 
 
 def peak_flops_per_device() -> tuple[float, str]:
     """(peak FLOP/s of one device, where the number comes from)."""
     kind = jax.devices()[0].device_kind
-    for prefix, value in PEAK_FLOPS.items():
-        if kind.startswith(prefix):
-            return value, f"{prefix} bf16 data sheet"
+    known = hardware.peak_flops_for_device_kind(kind)
+    if known is not None:
+        return known
     a = jnp.ones((1024, 1024), jnp.float32)
     matmul = jax.jit(lambda x: x @ x)
     matmul(a).block_until_ready()
@@ -97,8 +124,8 @@ def enable_compilation_cache() -> None:
 
 
 def _load_corpus():
-    from smelt_jax.data.corpus import Corpus, build_corpus
-    return Corpus(build_corpus(progress=sys.stderr.isatty()).folder)
+    from smelt_jax.data.token_store import open_dataset
+    return open_dataset(None, progress=sys.stderr.isatty())
 
 
 class _StopFlag:
@@ -152,6 +179,80 @@ def _replicated_scalar(mesh, value) -> jax.Array:
     return jax.make_array_from_callback((), sharding.replicated(mesh), lambda _index: host)
 
 
+class _Logs:
+    """metrics.jsonl and, when given, the TensorBoard event file: every record goes to both."""
+
+    def __init__(self, *writers) -> None:
+        self.writers = [w for w in writers if w is not None]
+
+    def write(self, record: dict[str, Any]) -> None:
+        for writer in self.writers:
+            writer.write(record)
+
+    def close(self) -> None:
+        for writer in self.writers:
+            writer.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class _Profiler:
+    """A `jax.profiler` trace of the steps [start, stop) into `folder` (`<phase>/profile/`). On gs://
+    the trace is written to a local temporary folder and its files are uploaded when it stops."""
+
+    def __init__(self, folder, start: int, stop: int) -> None:
+        self.folder, self.start, self.stop = str(folder), start, stop
+        self.active, self.local = False, None
+        self.files: list[str] = []
+
+    def before(self, step: int) -> None:
+        if not self.active and self.start <= step < self.stop and not self.files:
+            from smelt_jax.data import gcs
+            if gcs.is_gcs(self.folder):
+                import tempfile
+                self.local = tempfile.mkdtemp(prefix="smelt-profile-")
+            else:
+                os.makedirs(self.folder, exist_ok=True)
+            jax.profiler.start_trace(self.local or self.folder)
+            self.active = True
+
+    def after(self, done: int, outputs) -> None:
+        if self.active and done >= self.stop:
+            jax.block_until_ready(outputs)
+            self.finish()
+
+    def finish(self) -> None:
+        if not self.active:
+            return
+        self.active = False
+        jax.profiler.stop_trace()
+        from smelt_jax.data import gcs
+        if self.local is None:
+            self.files = gcs.list_files(self.folder)
+            return
+        import shutil
+        try:
+            for path in sorted(Path(self.local).rglob("*")):
+                if path.is_file():
+                    target = gcs.join(self.folder, path.relative_to(self.local).as_posix())
+                    gcs.write_bytes(target, path.read_bytes())
+                    self.files.append(target)
+        finally:
+            shutil.rmtree(self.local, ignore_errors=True)
+
+
+class ForkCheckpointDamaged(ValueError):
+    """A branch's fork checkpoint is damaged: the stable run must retrain it (one line, exit 2)."""
+
+
+def _phase_name(branch: int | None) -> str:
+    return "stable" if branch is None else f"branch {branch}"
+
+
 def train(run: RunSpec, branch: int | None = None, *, root: Path | None = None, corpus=None,
           options: TrainOptions = TrainOptions(), parallelism: Parallelism | None = None
           ) -> dict[str, Any]:
@@ -160,46 +261,129 @@ def train(run: RunSpec, branch: int | None = None, *, root: Path | None = None, 
     The mesh comes from `parallelism` (default: the run's own `run.parallelism`) over every device of
     every process; one device is a 1x1x1x1 mesh. Parameters and optimizer state are created (or
     restored) directly with their shardings; each process feeds its own rows of the global batch.
+
+    Process 0 first takes the phase's lock (`smelt_jax.train.lock`): a second trainer of the same
+    phase raises `LockHeld` naming the holder, before any other work.
     """
-    from smelt_jax.parallel import train_state as ts
+    from smelt_jax.train import lock as lock_lib
+
+    lr_lib.phase_steps(run.schedule, branch)  # a bad branch fails before anything is written
+    rd = run_dir(run.suite, run.id, root)
+    if jax.process_index() != 0:
+        return _train_phase(run, branch, rd, root, corpus, options, parallelism, None)
+    lock = lock_lib.phase_lock(rd.phase(branch), description=f"{run.id} {_phase_name(branch)}")
+    with lock_lib.holding(lock):
+        if getattr(lock, "took_over", None):
+            info = lock.took_over
+            print(f"smelt: took over the stale lock of pid {info.get('pid')} on {info.get('host')} "
+                  f"for {run.id} {_phase_name(branch)}", file=sys.stderr)
+        return _train_phase(run, branch, rd, root, corpus, options, parallelism, lock)
+
+
+def _stable_holes(rd: RunDir, schedule, good: list[int]) -> list[int]:
+    """Fork steps below the newest good stable step whose checkpoint is missing (damaged and moved
+    aside) while their branch has no endpoint yet: the stable run must train them again."""
+    if not good:
+        return []
+    return [f for k, f in enumerate(schedule.fork_steps)
+            if f < good[-1] and f not in good and not rd.endpoint(k).exists()]
+
+
+def _restore_fork(rd: RunDir, run: RunSpec, branch: int, first: int, state: Any) -> tuple[int, Any]:
+    """(step, state) of the stable checkpoint a branch forks from; one-line errors when it is missing
+    or damaged (the stable trainer, not this one, moves a damaged stable step aside)."""
+    from smelt_jax.rundir import checkpoint_damage
+    from smelt_jax.train.checkpoint import Checkpointer, CheckpointError
+
+    stable = Checkpointer(rd.checkpoints(None), keep_forever=run.schedule.fork_steps)
+    try:
+        if first not in stable.all_steps():
+            raise ValueError(
+                f"branch {branch} of {run.id} forks at step {first}, but the stable run has no "
+                f"committed checkpoint there (have {stable.all_steps()}); train the stable run first")
+        try:
+            damage = checkpoint_damage(rd.checkpoints(None), first)
+            if damage:
+                raise CheckpointError(damage)
+            step, state, _ = stable.restore(state, step=first)
+        except CheckpointError as err:
+            raise ForkCheckpointDamaged(
+                f"branch {branch} of {run.id} forks at step {first}, but the stable checkpoint there "
+                f"is damaged ({' '.join(str(err).split())[:200]}); run `smelt train {run.id}` to move "
+                "it aside and retrain it") from None
+    finally:
+        stable.close()
+    return step, state
+
+
+def _train_phase(run: RunSpec, branch: int | None, rd: RunDir, root: Path | None, corpus,
+                 options: TrainOptions, parallelism: Parallelism | None, lock) -> dict[str, Any]:
+    from smelt_jax.train import state as ts
+    from smelt_jax.train.metrics_log import MetricsWriter, NullWriter
 
     schedule, cfg = run.schedule, run.model
     parallelism = parallelism if parallelism is not None else run.parallelism
     if parallelism.remat != "none":
         cfg = cfg.replace(remat=parallelism.remat)
     first, end = lr_lib.phase_steps(schedule, branch)
-    rd = run_dir(run.suite, run.id, root)
     is_writer = jax.process_index() == 0
     if is_writer and not rd.spec_file.exists():
         _write_json_atomically(rd.spec_file, {**run.to_dict(), "metadata": _metadata()})
+    from smelt_jax.train.checkpoint import Checkpointer, CheckpointError
+
+    keep = set(schedule.fork_steps) | {end} if branch is None else {end}
+    ckpt_dir = rd.checkpoints(branch)
+    # A damaged step (cheap check: missing files, wrong sizes) is moved aside before anything else.
+    probe = Checkpointer(ckpt_dir, max_to_keep=options.max_to_keep, keep_forever=keep,
+                         clean_temporary=True)
+    for name in probe.removed_temporary:
+        print(f"smelt: removed {ckpt_dir / name}, the temporary folder of a save that never "
+              "committed", file=sys.stderr)
+    if is_writer:
+        probe.quarantine_damaged(probe.all_steps())
+    good = probe.all_steps()
+    holes = _stable_holes(rd, schedule, good) if branch is None else []
+    stop_at = min(holes) if holes else end
+    if holes:
+        # Repair: train from the newest good step below the hole to the hole, saving only there, with
+        # no rotation (saving an older step must not delete a newer one); then train on as usual.
+        probe.close()
+        ckpt = Checkpointer(ckpt_dir, max_to_keep=10 ** 9, keep_forever=keep)
+        print(f"smelt: {run.id} stable: the fork checkpoint at step {stop_at} is missing or was "
+              "damaged; retraining it", file=sys.stderr)
+    else:
+        ckpt = probe
+
     corpus = corpus if corpus is not None else _load_corpus()
     enable_compilation_cache()
     from smelt_jax.data.pipeline import TrainPipeline
-    from smelt_jax.train.checkpoint import Checkpointer
 
     mesh = sharding.make_mesh(parallelism)
     tx = optimizer(schedule)
     plan = ts.plan_training(cfg, tx, mesh)
-    abstract_params, abstract_opt_state = plan.abstract_state()
     # Restore targets carry the current mesh's shardings: a checkpoint written on another mesh or
     # host count comes back placed for this one.
-    state = {"params": abstract_params, "opt_state": abstract_opt_state}
-    keep = set(schedule.fork_steps) | {end} if branch is None else {end}
-    ckpt = Checkpointer(rd.checkpoints(branch), max_to_keep=options.max_to_keep,
-                        keep_forever=keep)
-    step = first
-    if ckpt.latest_step() is not None:
-        step, state, _ = ckpt.restore(state)
-    elif branch is not None:
-        stable = Checkpointer(rd.checkpoints(None), keep_forever=schedule.fork_steps)
-        if first not in stable.all_steps():
-            stable.close()
+    state = plan.restore_target()
+    step, restored = first, False
+    if holes:
+        below = [s for s in good if s < stop_at]
+        if below:
+            step, state, _ = ckpt.restore(state, step=below[-1])
+    elif ckpt.latest_step() is not None:
+        try:
+            step, state, _ = ckpt.restore(state, quarantine=is_writer)
+            restored = True
+        except CheckpointError:
+            if ckpt.latest_step() is not None:
+                ckpt.close()
+                raise
+            # every step was damaged and moved aside: the phase starts again
+    if branch is not None and not restored:
+        try:
+            step, state = _restore_fork(rd, run, branch, first, state)
+        except Exception:
             ckpt.close()
-            raise ValueError(f"branch {branch} of {run.id} forks at step {first}, but the stable run "
-                             f"has no committed checkpoint there (have {stable.all_steps()}); train "
-                             "the stable run first")
-        step, state, _ = stable.restore(state, step=first)
-        stable.close()
+            raise
     if step >= end and (branch is None or rd.endpoint(branch).exists()):
         ckpt.close()
         return {"run_id": run.id, "branch": branch, "step": step, "status": "done"}
@@ -225,7 +409,6 @@ def train(run: RunSpec, branch: int | None = None, *, root: Path | None = None, 
         peak, peak_source = peak_flops_per_device()
     peak *= jax.device_count()
     metrics_file = rd.metrics(branch)
-    metrics_file.parent.mkdir(parents=True, exist_ok=True)
 
     params, opt_state = state["params"], state["opt_state"]
     start_step, bad = step, _replicated_scalar(mesh, 0.0) > 0
@@ -236,7 +419,7 @@ def train(run: RunSpec, branch: int | None = None, *, root: Path | None = None, 
         if bool(bad):
             ckpt.wait()
             raise NonFiniteLoss(
-                f"{run.id} {'stable' if branch is None else f'branch {branch}'}: non-finite loss "
+                f"{run.id} {_phase_name(branch)}: non-finite loss "
                 f"between steps {last_good_step} and {at_step} (last metrics: {metrics}); the "
                 f"checkpoint at step {ckpt.latest_step()} is kept")
 
@@ -250,56 +433,97 @@ def train(run: RunSpec, branch: int | None = None, *, root: Path | None = None, 
         progress = tqdm(total=end - first, initial=step - first, unit="step",
                         desc=f"{run.id} {'stable' if branch is None else f'branch{branch}'}",
                         file=sys.stderr, dynamic_ncols=True)
-    iterator = pipeline.iterator(step, end - step)
+    iterator = pipeline.iterator(step, stop_at - step)
     logged = None
     # Only process 0 writes metrics; the others log into the void.
-    log_context = metrics_file.open("a") if is_writer else open(os.devnull, "w")
-    with _StopFlag() as stop, log_context as log, jax.set_mesh(mesh):
-        for step in range(step, end):  # noqa: B020 (step is the resume point, then the last step)
-            batch = ts.global_batch(plan, next(iterator), schedule.batch_size)
-            lr = _replicated_scalar(mesh, lr_lib.learning_rate(schedule, step, branch))
-            params, opt_state, metrics = train_step(params, opt_state, batch, lr)
-            bad = bad | ~jnp.isfinite(metrics["loss"])
-            done = step + 1
-            window_tokens += schedule.tokens_per_step
-            if progress is not None:
-                progress.update(1)
-            if done % options.log_every == 0 or done == end:
-                values = {k: float(v) for k, v in jax.device_get(metrics).items()}
-                check_finite(done, values)
-                elapsed = time.perf_counter() - window_start
-                tokens_per_s = window_tokens / max(elapsed, 1e-9)
-                logged = {"step": done, "tokens": done * schedule.tokens_per_step,
-                          "cumulative_flops": done * schedule.tokens_per_step * flops_per_token,
-                          **values, "tokens_per_s": tokens_per_s,
-                          "flops_per_s": tokens_per_s * flops_per_token,
-                          "mfu": tokens_per_s * flops_per_token / peak, "peak_flops": peak,
-                          "peak_flops_source": peak_source, "time": time.time()}
-                if is_writer:
-                    log.write(json.dumps(logged) + "\n")
-                    log.flush()
+    log_context = (_Logs(MetricsWriter(metrics_file), _event_writer(rd, branch, options, step))
+                   if is_writer else NullWriter())
+    profiler = None
+    if options.profile is not None:
+        begin, finish = (options.profile if not isinstance(options.profile, int)
+                         else (step + 1, step + 1 + options.profile))
+        profiler = _Profiler(rd.profile(branch), begin, finish)
+    try:
+        with _StopFlag() as stop, log_context as log, jax.set_mesh(mesh):
+            for step in range(step, stop_at):  # noqa: B020 (the resume point, then the last step)
+                if profiler is not None:
+                    profiler.before(step)
+                if lock is not None and lock.lost:
+                    from smelt_jax.train.lock import LockLost
+                    raise LockLost(f"{run.id} {_phase_name(branch)}: another trainer took this "
+                                   f"phase's lock over (this process looked dead); stopped at "
+                                   f"step {step} without saving")
+                ckpt.raise_if_save_failed()
+                batch = ts.global_batch(plan, next(iterator), schedule.batch_size)
+                lr = _replicated_scalar(mesh, lr_lib.learning_rate(schedule, step, branch))
+                params, opt_state, metrics = train_step(params, opt_state, batch, lr)
+                bad = bad | ~jnp.isfinite(metrics["loss"])
+                done = step + 1
+                if profiler is not None:
+                    profiler.after(done, (params, metrics))
+                window_tokens += schedule.tokens_per_step
                 if progress is not None:
-                    progress.set_postfix(loss=f"{values['loss']:.3f}", tok_s=f"{tokens_per_s:.0f}")
-                window_start, window_tokens = time.perf_counter(), 0
-                last_good_step = done
-            if options.eval_every and done % options.eval_every == 0 and done != end:
-                losses = evaluate_here()
-                if is_writer:
-                    log.write(json.dumps({"step": done, "eval": losses}) + "\n")
-                    log.flush()
-            interrupted = stop.signal is not None or (
-                options.stop_after is not None and done - start_step >= options.stop_after)
-            if done in keep or done % options.checkpoint_every == 0 or done == end or interrupted:
-                check_finite(done, logged)
-                save(done)
-            if interrupted and done != end:
-                ckpt.close()
-                if progress is not None:
-                    progress.close()
-                raise Preempted(f"{run.id}: stopped at step {done} after saving; restart to resume")
+                    progress.update(1)
+                if done % options.log_every == 0 or done == end:
+                    values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                    check_finite(done, values)
+                    elapsed = time.perf_counter() - window_start
+                    tokens_per_s = window_tokens / max(elapsed, 1e-9)
+                    # `tokens`: cumulative training tokens (the schedule's, as in budgets and
+                    # endpoints); `step_tokens`: the loss-bearing tokens of this step's batch.
+                    step_tokens = values.pop("tokens", None)
+                    logged = {"step": done, **values, "tokens": done * schedule.tokens_per_step,
+                              "step_tokens": step_tokens,
+                              "cumulative_flops": done * schedule.tokens_per_step * flops_per_token,
+                              "tokens_per_s": tokens_per_s,
+                              "flops_per_s": tokens_per_s * flops_per_token,
+                              "mfu": tokens_per_s * flops_per_token / peak, "peak_flops": peak,
+                              "peak_flops_source": peak_source, "time": time.time()}
+                    log.write(logged)
+                    if progress is not None:
+                        progress.set_postfix(loss=f"{values['loss']:.3f}", tok_s=f"{tokens_per_s:.0f}")
+                    window_start, window_tokens = time.perf_counter(), 0
+                    last_good_step = done
+                if options.eval_every and done % options.eval_every == 0 and done != end:
+                    log.write({"step": done, "eval": evaluate_here()})
+                interrupted = stop.signal is not None or (
+                    options.stop_after is not None and done - start_step >= options.stop_after)
+                if holes:
+                    # Repairing a hole: save only the hole (an older step than the newest one).
+                    if done == stop_at:
+                        check_finite(done, logged)
+                        save(done)
+                    elif interrupted:
+                        raise Preempted(f"{run.id}: stopped at step {done} while retraining the "
+                                        f"fork checkpoint at step {stop_at}; restart to resume")
+                    continue
+                if done in keep or done % options.checkpoint_every == 0 or done == end or interrupted:
+                    check_finite(done, logged)
+                    save(done)
+                if interrupted and done != end:
+                    ckpt.close()
+                    raise Preempted(f"{run.id}: stopped at step {done} after saving; restart to resume")
+        ckpt.wait()
+        if profiler is not None:
+            profiler.finish()
+    except BaseException:
+        if profiler is not None:
+            try:
+                profiler.finish()
+            except Exception:  # noqa: BLE001 — the error in flight says more
+                pass
+        if progress is not None:
+            progress.close()
+        try:
+            ckpt.close()
+        except Exception:  # noqa: BLE001 — the error in flight says more
+            pass
+        raise
     if progress is not None:
         progress.close()
-    ckpt.wait()
+    if holes:
+        ckpt.close()
+        return _train_phase(run, branch, rd, root, corpus, options, parallelism, lock)
     summary = {"run_id": run.id, "branch": branch, "step": end, "status": "done"}
     # Endpoints are the decay branches; the stable phase is evaluated only when asked (eval_every).
     if branch is not None:
@@ -307,11 +531,22 @@ def train(run: RunSpec, branch: int | None = None, *, root: Path | None = None, 
             losses = evaluate_here()
         summary.update(val_loss=losses["overall"], losses=losses)
         if is_writer:
-            with metrics_file.open("a") as log:
-                log.write(json.dumps({"step": end, "eval": losses}) + "\n")
+            with _Logs(MetricsWriter(metrics_file), _event_writer(rd, branch, options)) as log:
+                log.write({"step": end, "eval": losses})
             summary["endpoint"] = write_endpoint(run, branch, losses, root=root, rd=rd)
     ckpt.close()
     return summary
+
+
+def _event_writer(rd: RunDir, branch: int | None, options: TrainOptions,
+                  resume_step: int | None = None):
+    """The phase's TensorBoard event writer (None when turned off). `resume_step`: the step training
+    restarts from (its next logged step is resume_step + 1, from which older files are hidden)."""
+    if not options.tensorboard:
+        return None
+    from smelt_jax.train.tensorboard import EventWriter
+    return EventWriter(rd.tensorboard(branch),
+                       start_step=None if resume_step is None else resume_step + 1)
 
 
 def write_endpoint(run: RunSpec, branch: int, losses: dict[str, float], *, root: Path | None,

@@ -1,0 +1,212 @@
+"""One trainer per run phase: an exclusive lock on the phase folder, with a heartbeat.
+
+    <phase folder>/trainer.lock     {"pid", "host", "token", "started", "command"}; its mtime is the
+                                    holder's heartbeat
+
+A trainer takes the lock before it touches the phase's checkpoints or metrics and holds it until it
+exits. While it holds it, a daemon thread refreshes the heartbeat every `HEARTBEAT_SECONDS` (also
+while the trainer compiles or saves). Another trainer of the same phase finds the lock held and stops
+with `LockHeld`, whose one-line message names the holder (pid, host, since when, last heartbeat).
+
+A lock is *stale*, and is taken over, when its holder is gone: at once when the holder ran on this
+host and its pid no longer exists, else once its heartbeat is older than `STALE_SECONDS` (default
+300 s; `$SMELT_LOCK_STALE_SECONDS`). A holder whose lock was taken over (it was suspended past the
+stale time) notices at its next heartbeat: `lost` becomes true and the trainer stops at the next step.
+
+The interface (`PhaseLock`: acquire / refresh / release / lost) is what the trainer uses; `LocalLock`
+implements it on a local or NFS-free shared disk with `O_CREAT | O_EXCL` and an atomic rename for the
+takeover. `phase_lock` picks the implementation from the path. Not implemented yet: `gs://` run roots,
+where the lease would be an object written with `if_generation_match=0` (create only if absent), its
+heartbeat a metadata update with `if_metageneration_match`, and the takeover a rewrite conditioned on
+the stale generation (see docs/training.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Protocol
+
+LOCK_NAME = "trainer.lock"
+HEARTBEAT_SECONDS = 15.0
+STALE_SECONDS = 300.0
+UNREADABLE_STALE_SECONDS = 30.0  # an empty or garbled lock file (its writer died creating it)
+
+
+class LockHeld(RuntimeError):
+    """Another live trainer holds the phase's lock (a user error: one line, exit 2)."""
+
+
+class LockLost(RuntimeError):
+    """This trainer's lock was taken over (it looked dead); it must stop without saving."""
+
+
+class PhaseLock(Protocol):
+    def acquire(self) -> None: ...
+    def refresh(self) -> None: ...
+    def release(self) -> None: ...
+    @property
+    def lost(self) -> bool: ...
+
+
+def stale_seconds() -> float:
+    return float(os.environ.get("SMELT_LOCK_STALE_SECONDS", STALE_SECONDS))
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class LocalLock:
+    """`PhaseLock` on a local filesystem (see the module docstring)."""
+
+    def __init__(self, folder: str | os.PathLike, *, description: str = "",
+                 stale_after: float | None = None) -> None:
+        self.folder = Path(folder)
+        self.path = self.folder / LOCK_NAME
+        self.description = description or str(self.folder)
+        self.stale_after = stale_seconds() if stale_after is None else float(stale_after)
+        self.token = uuid.uuid4().hex
+        self.info = {"pid": os.getpid(), "host": socket.gethostname(), "token": self.token,
+                     "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                     "command": " ".join(sys.argv)[:300]}
+        self._held = False
+        self._lost = False
+        self.took_over: dict | None = None  # the stale holder's info, when this lock replaced one
+
+    @property
+    def lost(self) -> bool:
+        return self._lost
+
+    def _read(self, path: Path | None = None) -> tuple[dict, float] | None:
+        """(holder info, heartbeat time) or None if there is no lock file."""
+        path = path or self.path
+        try:
+            text = path.read_text()
+            mtime = path.stat().st_mtime
+        except FileNotFoundError:
+            return None
+        try:
+            info = json.loads(text)
+        except ValueError:
+            info = {}  # being written this instant, or garbage: judged by its heartbeat alone
+        return (info if isinstance(info, dict) else {}), mtime
+
+    def _stale(self, info: dict, heartbeat: float) -> bool:
+        if info.get("host") == socket.gethostname() and isinstance(info.get("pid"), int):
+            if not _pid_alive(info["pid"]):
+                return True
+        if not info.get("token") and time.time() - heartbeat > UNREADABLE_STALE_SECONDS:
+            return True  # its writer died between creating and filling it
+        return time.time() - heartbeat > self.stale_after
+
+    def holder_line(self, info: dict, heartbeat: float) -> str:
+        return (f"{self.description} is being trained by pid {info.get('pid', '?')} on host "
+                f"{info.get('host', '?')} (since {info.get('started', '?')}, heartbeat "
+                f"{max(0.0, time.time() - heartbeat):.0f} s ago; lock {self.path}); wait for it to "
+                f"finish, or stop it; a lock without heartbeat for {self.stale_after:.0f} s is "
+                "taken over")
+
+    def acquire(self) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        for _attempt in range(5):
+            try:
+                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                found = self._read()
+                if found is None:
+                    continue  # released meanwhile: try again
+                info, heartbeat = found
+                if not self._stale(info, heartbeat):
+                    raise LockHeld(self.holder_line(info, heartbeat)) from None
+                self._take_over(info)
+                continue
+            with os.fdopen(fd, "w") as handle:
+                handle.write(json.dumps(self.info))
+                handle.flush()
+                os.fsync(handle.fileno())
+            self._held, self._lost = True, False
+            return
+        found = self._read()
+        raise LockHeld(self.holder_line(*found) if found else
+                       f"{self.description}: could not take the lock {self.path}; try again")
+
+    def _take_over(self, stale_info: dict) -> None:
+        """Move a stale lock aside; if what was moved is not the stale lock (another process took it
+        over between our read and our rename), put it back."""
+        aside = self.path.with_name(f"{LOCK_NAME}.stale-{self.token}")
+        try:
+            os.rename(self.path, aside)
+        except FileNotFoundError:
+            return
+        moved = self._read(aside)
+        if moved is not None and moved[0].get("token") != stale_info.get("token"):
+            with contextlib.suppress(OSError):
+                os.link(aside, self.path)  # fails if a third process holds it now: then it wins
+        else:
+            self.took_over = stale_info
+        with contextlib.suppress(OSError):
+            os.unlink(aside)
+
+    def refresh(self) -> None:
+        """Heartbeat: touch the lock file if this process still holds it, else mark the lock lost."""
+        if not self._held:
+            return
+        found = self._read()
+        if found is None or found[0].get("token") != self.token:
+            self._lost = True
+            return
+        with contextlib.suppress(FileNotFoundError):
+            os.utime(self.path)
+
+    def release(self) -> None:
+        if not self._held:
+            return
+        self._held = False
+        found = self._read()
+        if found is not None and found[0].get("token") == self.token:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+
+
+def phase_lock(folder: str | os.PathLike, *, description: str = "") -> PhaseLock:
+    """The lock of one run phase folder: local paths only for now."""
+    if str(folder).startswith("gs://"):
+        raise NotImplementedError("trainer locks on gs:// run roots are not implemented yet "
+                                  "(docs/training.md: a lease object with generation match)")
+    return LocalLock(folder, description=description)
+
+
+@contextlib.contextmanager
+def holding(lock: PhaseLock, heartbeat_every: float = HEARTBEAT_SECONDS) -> Iterator[PhaseLock]:
+    """Acquire `lock`, refresh it from a daemon thread every `heartbeat_every` s, release on exit."""
+    lock.acquire()
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(heartbeat_every):
+            with contextlib.suppress(OSError):
+                lock.refresh()
+
+    thread = threading.Thread(target=beat, name="smelt-lock-heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield lock
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+        lock.release()
