@@ -56,3 +56,28 @@ compile-report: $(STAMP) $(TPU_STAMP)  ## AOT-compile smelt16 for TPU slices; wr
 
 clean:  ## remove caches (keeps .venv)
 	rm -rf .pytest_cache .ruff_cache build dist *.egg-info
+
+# Container image (Dockerfile) for TPU pods: docker, else podman (or CONTAINER_TOOL=...). IMAGE_NAME is
+# smelt_jax.sweep.base.IMAGE_NAME; pushed to the Artifact Registry repository of docs/tpu-quickstart.md:
+#   make image push-image IMAGE=REGION-docker.pkg.dev/PROJECT/smelt/smelt-jax:TAG
+# then `smelt sweep submit SUITE --backend xpk --image <that IMAGE> ... --submit`.
+.PHONY: image push-image
+IMAGE_NAME := smelt-jax
+GIT_SHA = $(or $(shell git rev-parse --short HEAD 2>/dev/null),dev)
+IMAGE ?= $(IMAGE_NAME):$(GIT_SHA)
+CONTAINER_TOOL ?= $(firstword $(foreach tool,docker podman,$(shell command -v $(tool) 2>/dev/null)))
+container_check = $(if $(CONTAINER_TOOL),,$(error $(1): no container tool found: install docker or podman, or name one with CONTAINER_TOOL))$(if $(shell timeout 30 $(CONTAINER_TOOL) info >/dev/null 2>&1 && echo up),,$(error $(1): $(CONTAINER_TOOL) is installed but cannot reach its daemon ('$(CONTAINER_TOOL) info' fails): start it, or name another tool with CONTAINER_TOOL))
+
+image:  ## build the container image IMAGE (default smelt-jax:<git short sha>; docs/tpu-quickstart.md)
+	$(call container_check,make image)
+	$(CONTAINER_TOOL) build --build-arg GIT_COMMIT=$(GIT_SHA) -t $(IMAGE) .
+	@echo "built $(IMAGE); push with: make push-image IMAGE=$(if $(findstring /,$(IMAGE)),$(IMAGE),REGION-docker.pkg.dev/PROJECT/smelt/$(IMAGE_NAME):TAG)"
+
+push-image:  ## push IMAGE to Artifact Registry (IMAGE=REGION-docker.pkg.dev/PROJECT/smelt/smelt-jax:TAG)
+	$(call container_check,make push-image)
+	$(if $(findstring /,$(IMAGE)),,$(error make push-image: IMAGE=$(IMAGE) is a local tag: set IMAGE=REGION-docker.pkg.dev/PROJECT/smelt/$(IMAGE_NAME):TAG with your values))
+	$(if $(filter PROJECT REGION TAG,$(subst /, ,$(subst :, ,$(subst -docker.pkg.dev, ,$(IMAGE))))),$(error make push-image: IMAGE=$(IMAGE) still has placeholders (PROJECT, REGION, TAG): put in your values))
+	@if [ "$(IMAGE)" != "$(IMAGE_NAME):$(GIT_SHA)" ] && ! $(CONTAINER_TOOL) image inspect $(IMAGE) >/dev/null 2>&1; then \
+	  $(CONTAINER_TOOL) tag $(IMAGE_NAME):$(GIT_SHA) $(IMAGE); fi
+	$(CONTAINER_TOOL) push $(IMAGE)
+	@echo "pushed $(IMAGE); submit with: smelt sweep submit SUITE --backend xpk --image $(IMAGE) ..."

@@ -259,3 +259,55 @@ def test_validation_host_slices_and_truncation(corpus):
     assert short.num_rows == 3 and short.num_batches == 1
     with pytest.raises(IndexError):
         short.batch_at(1)
+
+
+# A prepared token store as the source ---------------------------------------------------------------
+class _InMemory:
+    """The same documents as plain numpy arrays: what the pipeline reads from an embedded corpus."""
+
+    def __init__(self, store) -> None:
+        from smelt_jax.data.corpus import SplitArrays
+
+        self.sources, self.tokenizer = store.sources, store.tokenizer
+        self._splits = {(s, split): SplitArrays(np.asarray(store.split(s, split).tokens),
+                                                store.split(s, split).offsets)
+                        for s in store.sources for split in ("train", "val")}
+
+    def split(self, source, split):
+        return self._splits[(source, split)]
+
+
+@pytest.fixture(scope="module")
+def byte_store(tmp_path_factory):
+    import json
+
+    from smelt_jax.data.hf_tokenizer import load_tokenizer
+    from smelt_jax.data.prepare import PrepareConfig, prepare
+    from smelt_jax.data.token_store import TokenStore
+
+    folder = tmp_path_factory.mktemp("byte_store")
+    rng = np.random.default_rng(0)
+    words = ["alpha", "beta", "gamma", "delta", "return", "def", "x", "=", "\n"]
+    for shard in range(2):
+        lines = [json.dumps({"text": " ".join(rng.choice(words, int(rng.integers(3, 200)))),
+                             "source": ["code", "prose", "tables"][i % 3]}) for i in range(150)]
+        (folder / f"s{shard}.jsonl").write_text("\n".join(lines) + "\n")
+    prepare([str(folder / "*.jsonl")], folder / "store", load_tokenizer("bytes"), PrepareConfig(val_fraction=0.1),
+            progress=False)
+    return TokenStore(folder / "store")
+
+
+def test_token_store_batches_equal_plain_arrays(byte_store):
+    """The store's lazy token view gives the batches numpy arrays of the same documents give."""
+    reference = _InMemory(byte_store)
+    assert byte_store.tokenizer.pad_id == PAD and byte_store.sources == ("code", "prose", "tables")
+    a = TrainPipeline(byte_store, batch_size=4, seq_len=48, seed=1, host_index=0, host_count=1)
+    b = TrainPipeline(reference, batch_size=4, seq_len=48, seed=1, host_index=0, host_count=1)
+    assert a.rows_per_epoch == b.rows_per_epoch
+    for step in (0, 3, 10, 77):
+        assert _equal(a.batch_at(step), b.batch_at(step))
+    assert _equal(next(iter(a.iterator(5, 1))), b.batch_at(5))
+    for source, val in validation_sets(byte_store, batch_size=2, seq_len=40, host_index=0,
+                                       host_count=1).items():
+        ref = ValidationSet(reference, source, batch_size=2, seq_len=40, host_index=0, host_count=1)
+        assert len(val) == len(ref) and all(_equal(x, y) for x, y in zip(val, ref))

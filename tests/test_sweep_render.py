@@ -84,7 +84,8 @@ def test_manifest_semantics():
     job_spec = m["spec"]["replicatedJobs"][0]["template"]["spec"]
     pod = job_spec["template"]["spec"]
     container = pod["containers"][0]
-    assert container["command"] == ["python", "-m", "smelt_jax", "train", branch.run.id, "--branch", "5"]
+    assert container["command"] == ["python", "-m", "smelt_jax", "train", branch.run.id, "--branch", "5",
+                                    "--layout", "data=4,fsdp=8,expert=8,tensor=1", "--remat", "full"]
     assert {"name": "SMELT_RUNS_DIR", "value": "gs://smelt-bucket/smelt/runs"} in container["env"]
     # 1.6b S97 SMELT runs on the slice its compile report chose (experiments/layouts.json): v5p-512
     assert branch.run.parallelism.tpu_type == "v5p-512"

@@ -25,16 +25,26 @@ document (whose next token is another document's BOS) and padding are masked.
 
 **Validation** (per source): the source's validation documents in stored order, packed the same way
 without shuffling, the last row padded; every target token of the split is scored exactly once.
+
+**Sources of documents.** Anything with `sources` (names), `tokenizer` (with `pad_id`) and
+`split(source, split)` -> `SplitArrays(tokens, offsets)`: the embedded `Corpus` (memory-mapped numpy) or
+a prepared `TokenStore` (smelt_jax/data/token_store.py, tensorstore zarr3 on local disk or gs://, whose
+`tokens` view reads only the positions a batch indexes). `token_store.open_dataset(path)` opens either.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from smelt_jax.data.corpus import Corpus
+if TYPE_CHECKING:
+    from smelt_jax.data.corpus import Corpus
+    from smelt_jax.data.token_store import TokenStore
+
+    Documents = Corpus | TokenStore
 
 _MASK64 = (1 << 64) - 1
 
@@ -65,13 +75,13 @@ def hashed_permutation(n: int, *key: int) -> np.ndarray:
 class DocumentTable:
     """Documents of one split over several sources: where each lives in which token array."""
 
-    arrays: tuple[np.ndarray, ...]  # per source: uint16 [tokens] (memmap)
+    arrays: tuple[np.ndarray, ...]  # per source: uint16 [tokens] (memmap, or a token store's view)
     source: np.ndarray  # int32 [documents]: index into `arrays`
     start: np.ndarray  # int64 [documents]
     length: np.ndarray  # int64 [documents]
 
     @classmethod
-    def from_corpus(cls, corpus: Corpus, split: str, sources: Sequence[str]) -> DocumentTable:
+    def from_corpus(cls, corpus: Documents, split: str, sources: Sequence[str]) -> DocumentTable:
         arrays, source, start, length = [], [], [], []
         for index, name in enumerate(sources):
             part = corpus.split(name, split)
@@ -138,7 +148,7 @@ class TrainPipeline:
     Every array is [batch_size // host_count, seq_len]; see the module docstring for the packing.
     """
 
-    def __init__(self, corpus: Corpus, *, batch_size: int, seq_len: int, seed: int,
+    def __init__(self, corpus: Documents, *, batch_size: int, seq_len: int, seed: int,
                  host_index: int | None = None, host_count: int | None = None,
                  sources: Sequence[str] | None = None) -> None:
         if batch_size <= 0 or seq_len <= 0:
@@ -158,7 +168,7 @@ class TrainPipeline:
         self._plans: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
     @classmethod
-    def from_schedule(cls, corpus: Corpus, schedule, **host) -> TrainPipeline:
+    def from_schedule(cls, corpus: Documents, schedule, **host) -> TrainPipeline:
         """Batches for a `smelt_jax.config.Schedule`: its batch_size, seq_len and seed."""
         return cls(corpus, batch_size=schedule.batch_size, seq_len=schedule.seq_len, seed=schedule.seed,
                    **host)
@@ -228,7 +238,7 @@ class ValidationSet:
     are padding (loss_mask 0). `max_tokens` keeps only the first rows covering that many tokens.
     """
 
-    def __init__(self, corpus: Corpus, source: str, *, batch_size: int, seq_len: int,
+    def __init__(self, corpus: Documents, source: str, *, batch_size: int, seq_len: int,
                  host_index: int | None = None, host_count: int | None = None,
                  max_tokens: int | None = None) -> None:
         if batch_size <= 0 or seq_len <= 0:
@@ -271,7 +281,7 @@ class ValidationSet:
         return grain.MapDataset.range(self.num_batches).map(self.batch_at)
 
 
-def validation_sets(corpus: Corpus, *, batch_size: int, seq_len: int, max_tokens: int | None = None,
+def validation_sets(corpus: Documents, *, batch_size: int, seq_len: int, max_tokens: int | None = None,
                     host_index: int | None = None, host_count: int | None = None
                     ) -> dict[str, ValidationSet]:
     """A ValidationSet per source that has validation documents, keyed by source name."""

@@ -15,6 +15,7 @@ so a job already on the cluster keeps its name and the cluster rejects the dupli
 from __future__ import annotations
 
 import dataclasses
+import re
 import shlex
 import shutil
 import subprocess
@@ -24,6 +25,7 @@ from typing import Protocol
 
 from smelt_jax.rundir import results_path, run_dir
 from smelt_jax.sweep.graph import Job, JobGraph, JobStatus, artifact_statuses
+from smelt_jax.sweep.tpu import layout_args
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,11 +48,29 @@ class Backend(Protocol):
                execute: bool = False) -> list[str]: ...
 
 
+# The container image, named once here. `make image` builds the Dockerfile and tags it IMAGE (default
+# `smelt-jax:<git short sha>`); `make push-image IMAGE=...` pushes it to the Artifact Registry repository
+# `smelt` (docs/tpu-quickstart.md). DEFAULT_IMAGE is that path with its placeholders still in: a dry run
+# reads well with it, and `--submit` refuses it (and any local tag) until `--image` names the pushed image.
+IMAGE_NAME = "smelt-jax"
+IMAGE_REPOSITORY = "smelt"
+DEFAULT_IMAGE = f"REGION-docker.pkg.dev/PROJECT/{IMAGE_REPOSITORY}/{IMAGE_NAME}:TAG"
+# Upper-case words that mark a value as not filled in (real project ids, buckets, zones, clusters and
+# Artifact Registry paths are lower case).
+PLACEHOLDER_WORDS = ("PROJECT", "PROJECT_NUMBER", "REGION", "ZONE", "BUCKET", "CLUSTER", "TAG")
+_PLACEHOLDER = re.compile(r"(?<![A-Za-z0-9_])(" + "|".join(PLACEHOLDER_WORDS) + r")(?![A-Za-z0-9_])")
+
+
+def is_placeholder(value: str) -> bool:
+    """True when `value` still holds one of PLACEHOLDER_WORDS (e.g. `gs://BUCKET/smelt`)."""
+    return bool(_PLACEHOLDER.search(value))
+
+
 @dataclasses.dataclass(frozen=True)
 class CloudSettings:
     """Where and how cloud jobs run. Placeholders make a dry run readable; `--submit` refuses them."""
 
-    image: str = "us-docker.pkg.dev/PROJECT/smelt/smelt-jax:latest"
+    image: str = DEFAULT_IMAGE         # built by `make image`, pushed by `make push-image`
     bucket: str = "gs://BUCKET/smelt"  # runs root on the bucket: <bucket>/runs
     project: str = "PROJECT"
     zone: str = "ZONE"
@@ -73,10 +93,25 @@ class CloudSettings:
     def bucket_path(self, local_relative: Path) -> str:
         return f"{self.runs_dir}/{local_relative.as_posix()}"
 
-    def placeholders(self) -> list[str]:
+    def placeholders(self, fields: tuple[str, ...] = ("image", "bucket", "project", "zone")) -> list[str]:
+        """The flags among `fields` still at a placeholder (the default, or a value with PROJECT,
+        BUCKET, ... left in)."""
         defaults = CloudSettings()
-        return [f"--{f}" for f in ("image", "bucket", "project", "zone")
-                if getattr(self, f) == getattr(defaults, f)]
+        return [f"--{f}" for f in fields
+                if getattr(self, f) == getattr(defaults, f) or is_placeholder(getattr(self, f))]
+
+    def submit_problem(self, fields: tuple[str, ...] = ("image", "bucket", "project", "zone")) -> str | None:
+        """Why these settings cannot be submitted (one line), or None."""
+        missing = self.placeholders(fields)
+        if missing:
+            hint = (f" (--image: build and push the image with `make image push-image "
+                    f"IMAGE={DEFAULT_IMAGE}` with your values, docs/tpu-quickstart.md)"
+                    if "--image" in missing else "")
+            return f"set {', '.join(missing)} before --submit: the defaults are placeholders{hint}"
+        if "image" in fields and "/" not in self.image:
+            return (f"--image {self.image} is a local tag that the TPU hosts cannot pull: push it with "
+                    f"`make push-image IMAGE={DEFAULT_IMAGE}` (your values) and pass that path")
+        return None
 
 
 def job_paths(graph: JobGraph, job: Job, settings: CloudSettings) -> dict[str, str]:
@@ -87,7 +122,8 @@ def job_paths(graph: JobGraph, job: Job, settings: CloudSettings) -> dict[str, s
 
 
 def trainer_command(job: Job) -> list[str]:
-    return ["python", "-m", "smelt_jax", *job.train_args()]
+    """The trainer on a TPU slice, with the layout the run's placement chose pinned by flags."""
+    return ["python", "-m", "smelt_jax", *job.train_args(), *layout_args(job.run)]
 
 
 def write_plan(planned: list[PlannedJob], out_dir: Path, header: str) -> Path:
@@ -113,16 +149,18 @@ def require_tool(tool: str, hint: str) -> None:
 
 
 def execute_ready(planned: list[PlannedJob], statuses: dict[str, JobStatus], settings: CloudSettings,
-                  tool: str, hint: str) -> int:
-    """Runs the commands of READY jobs; reports the others. Returns the number of failed submissions."""
+                  tool: str, hint: str,
+                  fields: tuple[str, ...] = ("image", "bucket", "project", "zone")) -> int:
+    """Runs the commands of READY jobs; reports the others. Returns the number of failed submissions.
+    Refuses first (ValueError, one line) while any of `fields` is a placeholder, then a missing tool."""
+    problem = settings.submit_problem(fields)
+    if problem:
+        raise ValueError(problem)
     require_tool(tool, hint)
-    if settings.placeholders():
-        raise ValueError(f"set {', '.join(settings.placeholders())} before --submit "
-                         "(the defaults are placeholders)")
     failures = 0
     for job in planned:
         state = statuses[job.name]
-        if state != JobStatus.READY:
+        if not state.runnable:
             print(f"skip {job.name}: {state.value}")
             continue
         for command in job.commands:

@@ -1,10 +1,10 @@
 """Offline validation of rendered JobSet manifests against the upstream JobSet CRD.
 
 The CRD ships with the package, at `smelt_jax/reference_data/jobset/jobset.x-k8s.io_jobsets.yaml`
-(source, commit and licence in `smelt_jax/reference_data/README.md`). Its `v1alpha2` openAPIV3Schema is made strict before use: keys with null
-values are dropped, and every object that lists `properties` (and says nothing else about extra keys)
-gets `additionalProperties: false`, so a misspelt field fails here rather than being pruned silently
-by the API server.
+(source, commit and licence in `smelt_jax/reference_data/README.md`). Its `v1alpha2` openAPIV3Schema is
+made strict before use: keys with null values are dropped, and every object that lists `properties` (and
+says nothing else about extra keys) gets `additionalProperties: false`, so a misspelt field fails here
+rather than being pruned silently by the API server.
 """
 
 from __future__ import annotations

@@ -36,10 +36,12 @@ POLL_SECONDS = 60
 
 
 def worker_command(job: Job, settings: CloudSettings) -> str:
-    """What every host of the slice runs: the trainer in the image, with the bucket as runs root."""
+    """What every host of the slice runs: the trainer in the image, with the bucket as runs root.
+    The image's entrypoint is `smelt` (Dockerfile); the trainer command replaces it."""
     registry = settings.image.split("/", 1)[0]
+    program, *args = trainer_command(job)
     docker = ["sudo", "docker", "run", "--rm", "--privileged", "--net=host",
-              "-e", f"SMELT_RUNS_DIR={settings.runs_dir}", settings.image, *trainer_command(job)]
+              "-e", f"SMELT_RUNS_DIR={settings.runs_dir}", f"--entrypoint={program}", settings.image, *args]
     return (f"{quote(['sudo', 'gcloud', 'auth', 'configure-docker', registry, '--quiet'])} "
             f"&& {quote(docker)}")
 
@@ -49,13 +51,13 @@ def job_script(graph: JobGraph, job: Job, settings: CloudSettings) -> str:
     where = f"--project={settings.project} --zone={settings.zone}"
     create = quote(["gcloud", "compute", "tpus", "queued-resources", "create", job.name,
                     f"--node-id={job.name}", f"--project={settings.project}",
-                    f"--zone={settings.zone}", f"--accelerator-type={tpu.tpu_type}",
+                    f"--zone={settings.zone}", f"--accelerator-type={tpu.name}",
                     f"--runtime-version={tpu.runtime_version}", "--spot"])
     ssh = quote(["gcloud", "compute", "tpus", "tpu-vm", "ssh", job.name,
                  f"--project={settings.project}", f"--zone={settings.zone}", "--worker=all",
                  f"--command={worker_command(job, settings)}"])
     return f"""#!/usr/bin/env bash
-# {job.name}: {job.run.id} {job.phase} on {tpu.tpu_type} ({tpu.hosts} hosts); retries on preemption.
+# {job.name}: {job.run.id} {job.phase} on {tpu.name} ({tpu.hosts} hosts); retries on preemption.
 # Checkpoints and results: {settings.runs_dir}
 set -uo pipefail
 QR={job.name}
@@ -159,5 +161,5 @@ class TpuVmBackend:
         if execute:
             execute_ready([PlannedJob(f"cancel-{i}", (c,)) for i, c in enumerate(commands)],
                           {f"cancel-{i}": JobStatus.READY for i in range(len(commands))},
-                          s, "gcloud", "install the Google Cloud CLI")
+                          s, "gcloud", "install the Google Cloud CLI", ("project", "zone"))
         return commands

@@ -32,6 +32,10 @@ from smelt_jax.sweep.tpu import tpu_slice, tpu_type_for
 
 RESTART_EXIT_CODE = 42
 CONTAINER = "trainer"
+# Settings that --submit refuses while they are placeholders (the image is base.DEFAULT_IMAGE until
+# `--image` names the one `make image push-image` pushed); deleting a workload needs no image or bucket.
+SUBMIT_FIELDS = ("image", "bucket", "project", "zone", "cluster")
+CANCEL_FIELDS = ("project", "zone", "cluster")
 
 
 def jobset_manifest(graph: JobGraph, job: Job, settings: CloudSettings) -> dict:
@@ -42,7 +46,7 @@ def jobset_manifest(graph: JobGraph, job: Job, settings: CloudSettings) -> dict:
         "restartPolicy": "Never",  # podFailurePolicy requires it
         "terminationGracePeriodSeconds": 300,  # SIGTERM -> the trainer saves, then exits 42
         "nodeSelector": {"cloud.google.com/gke-tpu-accelerator": tpu.gke_accelerator,
-                         "cloud.google.com/gke-tpu-topology": tpu.topology},
+                         "cloud.google.com/gke-tpu-topology": tpu.shape},
         "containers": [{
             "name": CONTAINER,
             "image": settings.image,
@@ -72,7 +76,7 @@ def jobset_manifest(graph: JobGraph, job: Job, settings: CloudSettings) -> dict:
                        "smelt-jax/phase": job.phase},
             "annotations": {
                 "alpha.jobset.sigs.k8s.io/exclusive-topology": "cloud.google.com/gke-nodepool",
-                "smelt-jax/run-id": job.run.id, "smelt-jax/tpu-type": tpu.tpu_type,
+                "smelt-jax/run-id": job.run.id, "smelt-jax/tpu-type": tpu.name,
                 "smelt-jax/checkpoints": paths["checkpoints"], "smelt-jax/results": paths["results"]},
         },
         "spec": {
@@ -90,9 +94,28 @@ def jobset_manifest(graph: JobGraph, job: Job, settings: CloudSettings) -> dict:
     }
 
 
+def cluster_for(settings: CloudSettings, tpu_type: str) -> str:
+    """The GKE cluster for a slice type: `--cluster NAME` for every job, or, for a suite that needs
+    several slice types (smelt16: v5p-128 and v5p-512), one xpk cluster per type:
+    `--cluster v5p-128=NAME_A,v5p-512=NAME_B`."""
+    if "=" not in settings.cluster:
+        return settings.cluster
+    clusters = {}
+    for part in settings.cluster.split(","):
+        key, sep, name = part.partition("=")
+        if not sep or not key.strip() or not name.strip():
+            raise ValueError(f"--cluster {settings.cluster!r}: give NAME, or TPU_TYPE=NAME,TPU_TYPE=NAME")
+        clusters[key.strip()] = name.strip()
+    if tpu_type not in clusters:
+        raise ValueError(f"--cluster {settings.cluster!r} names no cluster for {tpu_type}, which this "
+                         f"suite's jobs need (add {tpu_type}=NAME)")
+    return clusters[tpu_type]
+
+
 def xpk_command(graph: JobGraph, job: Job, settings: CloudSettings) -> str:
+    cluster = cluster_for(settings, tpu_type_for(job.run))
     return quote([
-        "xpk", "workload", "create", f"--cluster={settings.cluster}", f"--project={settings.project}",
+        "xpk", "workload", "create", f"--cluster={cluster}", f"--project={settings.project}",
         f"--zone={settings.zone}", f"--workload={job.name}", f"--docker-image={settings.image}",
         f"--tpu-type={tpu_type_for(job.run)}", "--num-slices=1",
         f"--max-restarts={settings.max_restarts}", f"--restart-on-exit-codes={RESTART_EXIT_CODE}",
@@ -128,18 +151,20 @@ class XpkBackend:
             print_commands(planned, script)
             return 0
         return execute_ready(planned, self.status(graph), self.settings, "xpk",
-                             "install it with `pip install xpk` (github.com/AI-Hypercomputer/xpk)")
+                             "install it with `pip install xpk` (github.com/AI-Hypercomputer/xpk)",
+                             SUBMIT_FIELDS)
 
     def status(self, graph: JobGraph) -> dict[str, JobStatus]:
         return cloud_status(graph, self.settings)
 
     def cancel(self, graph: JobGraph, names: list[str] | None = None, *,
                execute: bool = False) -> list[str]:
-        commands = [quote(["xpk", "workload", "delete", f"--cluster={self.settings.cluster}",
+        commands = [quote(["xpk", "workload", "delete",
+                           f"--cluster={cluster_for(self.settings, tpu_type_for(job.run))}",
                            f"--project={self.settings.project}", f"--zone={self.settings.zone}",
                            f"--workload={job.name}"]) for job in graph.select(names)]
         if execute:
             execute_ready([PlannedJob(f"cancel-{i}", (c,)) for i, c in enumerate(commands)],
                           {f"cancel-{i}": JobStatus.READY for i in range(len(commands))},
-                          self.settings, "xpk", "install it with `pip install xpk`")
+                          self.settings, "xpk", "install it with `pip install xpk`", CANCEL_FIELDS)
         return commands

@@ -1,0 +1,199 @@
+"""One small file API over local paths and `gs://bucket/key` URLs, all of it through tensorstore.
+
+Local paths use the file system directly (atomic writes: a temporary file renamed into place); `gs://`
+URLs use tensorstore's `gcs` kvstore, the same client that writes the zarr arrays, so one set of
+credentials and one setting (`TENSORSTORE_GCS_HTTP_URL` for an emulator) covers every byte.
+
+Listing always goes through the bucket's root kvstore with a key range and is filtered again here:
+some Cloud Storage emulators ignore the range parameters and return the whole bucket (a kvstore opened
+*at* a prefix then mis-strips keys), and the extra filter makes the answer right either way.
+Deletion is key by key, never `delete_range`, for the same reason.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+import os
+import tempfile
+from pathlib import Path
+
+GCS_PREFIX = "gs://"
+_WILDCARDS = "*?["
+
+
+def is_gcs(url) -> bool:
+    return str(url).startswith(GCS_PREFIX)
+
+
+def split_gcs(url: str) -> tuple[str, str]:
+    """`gs://bucket/a/b` -> ("bucket", "a/b")."""
+    rest = str(url)[len(GCS_PREFIX):]
+    bucket, _, key = rest.partition("/")
+    if not bucket:
+        raise ValueError(f"{url!r} names no bucket (expected gs://BUCKET/PATH)")
+    return bucket, key
+
+
+def normalize(url) -> str:
+    """A local path made absolute, or a gs:// URL without a trailing slash."""
+    text = str(url)
+    if is_gcs(text):
+        return text.rstrip("/") if text.count("/") > 2 else text
+    return str(Path(text).expanduser().absolute())
+
+
+def join(base, *parts: str) -> str:
+    text = str(base)
+    if is_gcs(text):
+        for part in parts:
+            text = text.rstrip("/") + "/" + str(part).lstrip("/")
+        return text
+    return str(Path(text, *parts))
+
+
+def basename(url) -> str:
+    return str(url).rstrip("/").rsplit("/", 1)[-1]
+
+
+@functools.lru_cache(maxsize=None)
+def _bucket(bucket: str):
+    import tensorstore as ts
+
+    return ts.KvStore.open({"driver": "gcs", "bucket": bucket}).result()
+
+
+def kvstore_spec(url) -> dict:
+    """A tensorstore kvstore spec for a directory (local or gs://): what `zarr3` specs nest."""
+    text = str(url)
+    if is_gcs(text):
+        bucket, key = split_gcs(text)
+        return {"driver": "gcs", "bucket": bucket, "path": key.rstrip("/") + "/" if key else ""}
+    return {"driver": "file", "path": normalize(text).rstrip("/") + "/"}
+
+
+def read_bytes(url) -> bytes:
+    """The whole object; FileNotFoundError when it does not exist."""
+    text = str(url)
+    if is_gcs(text):
+        bucket, key = split_gcs(text)
+        result = _bucket(bucket).read(key).result()
+        if result.state != "value":
+            raise FileNotFoundError(f"no object {text}")
+        return bytes(result.value)
+    with open(text, "rb") as handle:
+        return handle.read()
+
+
+def write_bytes(url, data: bytes) -> None:
+    """Write an object whole (local: into a temporary file renamed into place)."""
+    text = str(url)
+    if is_gcs(text):
+        bucket, key = split_gcs(text)
+        _bucket(bucket).write(key, bytes(data)).result()
+        return
+    path = Path(text)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def read_text(url) -> str:
+    return read_bytes(url).decode("utf-8")
+
+
+def write_text(url, text: str) -> None:
+    write_bytes(url, text.encode("utf-8"))
+
+
+def exists(url) -> bool:
+    text = str(url)
+    if is_gcs(text):
+        bucket, key = split_gcs(text)
+        return _bucket(bucket).read(key).result().state == "value"
+    return os.path.isfile(text)
+
+
+def delete(url) -> None:
+    """Remove one object or file (nothing when absent)."""
+    text = str(url)
+    if is_gcs(text):
+        bucket, key = split_gcs(text)
+        del _bucket(bucket)[key]
+        return
+    try:
+        os.unlink(text)
+    except FileNotFoundError:
+        pass
+
+
+def _successor(prefix: str) -> str:
+    return prefix[:-1] + chr(ord(prefix[-1]) + 1) if prefix else ""
+
+
+def list_files(prefix_url) -> list[str]:
+    """Every file under a directory (recursively), as full paths / URLs, sorted."""
+    text = str(prefix_url)
+    if is_gcs(text):
+        import tensorstore as ts
+
+        bucket, key = split_gcs(text)
+        prefix = key.rstrip("/") + "/" if key else ""
+        keys = _bucket(bucket).list(ts.KvStore.KeyRange(prefix, _successor(prefix))).result()
+        names = sorted(k.decode() for k in keys if k.decode().startswith(prefix))
+        return [f"{GCS_PREFIX}{bucket}/{name}" for name in names]
+    root = Path(text)
+    if not root.is_dir():
+        return []
+    return sorted(str(p) for p in root.rglob("*") if p.is_file())
+
+
+def delete_tree(prefix_url) -> int:
+    """Delete every file under a directory; returns how many."""
+    files = list_files(prefix_url)
+    for name in files:
+        delete(name)
+    if not is_gcs(prefix_url) and Path(prefix_url).is_dir():
+        import shutil
+
+        shutil.rmtree(prefix_url, ignore_errors=True)
+    return len(files)
+
+
+def expand(patterns, suffixes: tuple[str, ...] = ()) -> list[str]:
+    """Paths / globs / gs:// patterns -> sorted, distinct files.
+
+    A pattern with `*`, `?` or `[` matches files (for gs://, `*` also crosses `/`); a plain name is
+    that file, or, when it is a directory (a gs:// prefix), every file under it whose name ends with one
+    of `suffixes`. A pattern that matches nothing raises FileNotFoundError.
+    """
+    found: set[str] = set()
+    for pattern in patterns:
+        text = str(pattern)
+        matches: list[str]
+        if any(c in text for c in _WILDCARDS):
+            if is_gcs(text):
+                head = text[:min(text.index(c) for c in _WILDCARDS if c in text)]
+                directory = head[:head.rfind("/") + 1]
+                matches = [u for u in list_files(directory) if fnmatch.fnmatchcase(u, text)]
+            else:
+                import glob
+
+                matches = [normalize(p) for p in glob.glob(os.path.expanduser(text), recursive=True)
+                           if os.path.isfile(p)]
+        elif is_gcs(text) and exists(text):
+            matches = [text]
+        elif not is_gcs(text) and os.path.isfile(text):
+            matches = [normalize(text)]
+        else:
+            matches = [u for u in list_files(text) if not suffixes or u.endswith(suffixes)]
+        if not matches:
+            raise FileNotFoundError(f"no input files match {text!r}")
+        found.update(matches)
+    return sorted(found)

@@ -1,0 +1,363 @@
+"""The token store: tokenized documents in zarr3 arrays written with tensorstore (local folder or gs://).
+
+Layout under the store's root (written by `smelt_jax.data.prepare`):
+
+    manifest.json                    counts, per-array digests, tokenizer, inputs, problems, store digest
+    tokenizer.json                   the Hugging Face tokenizer (absent for the embedded byte tokenizer)
+    arrays/tokens/                   uint16|uint32 [T]: documents back to back, each BOS + ids + EOS
+                                     (zarr3, zstd chunks of 2**16 tokens; optionally inside shard
+                                     objects of 2**22 tokens)
+    arrays/doc_offsets/              int64 [D + 1]: document d is tokens[off[d]:off[d + 1]]
+    arrays/doc_source/               int32 [D]: index into the manifest's `sources` list
+    arrays/by_source/<k>/<split>/    int64 [n]: ids of source k's documents in `split` (train | val),
+                                     ascending
+    parts/<id>/part.json, part.npz   per-input-shard output of the tokenize phase (resumption)
+
+Every array's digest is a tree hash (`array_digest`): the sha256 of every block of 2**22 elements in
+little-endian bytes, hashed together with the dtype and shape. It depends on the values only, never on
+compression, chunking on disk or the number of processes that wrote it. The `store_digest` hashes the
+format, the tokenizer's sha256, the split rule, the source table and every array digest.
+
+`TokenStore` opens a store read-only and serves the interface the pipeline uses for the embedded corpus:
+`sources`, `tokenizer` (with `pad_id`), `digest`, and `split(source, split)` -> `SplitArrays(tokens,
+offsets)` where `tokens` is a view that reads only the positions it is indexed with (tensorstore reads of
+the covering ranges, batched), so each host reads only its own rows.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable
+
+import numpy as np
+
+from smelt_jax.data import gcs
+from smelt_jax.data.corpus import SPLITS, SplitArrays
+
+STORE_FORMAT = "smelt-token-store/1"
+MANIFEST_NAME = "manifest.json"
+TOKENIZER_NAME = "tokenizer.json"
+ARRAYS_DIR = "arrays"
+PARTS_DIR = "parts"
+DIGEST_BLOCK = 1 << 22  # elements per digest block (= tokens per zarr shard)
+TOKENS_SHARD = DIGEST_BLOCK
+TOKENS_CHUNK = 1 << 16
+SMALL_CHUNK = 1 << 20
+READ_GAP = 1 << 14  # index runs closer than this are read as one range
+
+
+class StoreError(ValueError):
+    """A token store that is missing, incomplete, of another tokenizer, or fails its digests."""
+
+
+# Digests --------------------------------------------------------------------------------------------
+def block_digest(values: np.ndarray) -> str:
+    array = np.ascontiguousarray(values)
+    return hashlib.sha256(array.astype(array.dtype.newbyteorder("<"), copy=False).tobytes()).hexdigest()
+
+
+def combine_digests(dtype, shape: Iterable[int], blocks: Iterable[str]) -> str:
+    digest = hashlib.sha256(f"{np.dtype(dtype).str} {list(shape)}\n".encode())
+    for block in blocks:
+        digest.update(block.encode() + b"\n")
+    return digest.hexdigest()
+
+
+def array_digest(values: np.ndarray) -> str:
+    """The tree digest of an in-memory array (blocks of DIGEST_BLOCK elements along the flat order)."""
+    flat = np.asarray(values).reshape(-1)
+    blocks = [block_digest(flat[i:i + DIGEST_BLOCK]) for i in range(0, max(flat.size, 1), DIGEST_BLOCK)]
+    return combine_digests(flat.dtype, np.shape(values), blocks)
+
+
+def store_digest(manifest: dict) -> str:
+    content = {"format": manifest["format"], "tokenizer": manifest["tokenizer"]["sha256"],
+               "split": manifest["split_rule"],
+               "sources": [[s["name"], s["splits"]] for s in manifest["sources"]],
+               "arrays": {name: meta["sha256"] for name, meta in sorted(manifest["arrays"].items())}}
+    text = json.dumps(content, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+# Arrays ---------------------------------------------------------------------------------------------
+def array_url(root, name: str) -> str:
+    return gcs.join(root, ARRAYS_DIR, name)
+
+
+LAYOUTS = ("chunks", "sharded")
+
+
+def _zarr_spec(root, name: str, dtype, shape, *, layout: str = "small") -> dict:
+    """zarr3 metadata. `small`: chunks of 2**20 elements; `chunks`: the token layout, one zstd object per
+    2**16 tokens; `sharded`: 2**16-token chunks inside 2**22-token shard objects (64x fewer objects;
+    needs a server that answers byte-range reads, which real Cloud Storage does and the emulator
+    does not)."""
+    dtype = np.dtype(dtype).name
+    inner = [{"name": "bytes", "configuration": {"endian": "little"}},
+             {"name": "zstd", "configuration": {"level": 3, "checksum": False}}]
+    if layout == "sharded":
+        codecs = [{"name": "sharding_indexed", "configuration": {
+            "chunk_shape": [TOKENS_CHUNK], "codecs": inner,
+            "index_codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}],
+            "index_location": "end"}}]
+        chunk = [TOKENS_SHARD]
+    elif layout == "chunks":
+        codecs, chunk = inner, [TOKENS_CHUNK]
+    elif layout == "small":
+        codecs, chunk = inner, [SMALL_CHUNK] + [max(int(s), 1) for s in shape[1:]]
+    else:
+        raise ValueError(f"unknown layout {layout!r}; expected one of {LAYOUTS}")
+    return {"driver": "zarr3", "kvstore": gcs.kvstore_spec(array_url(root, name)),
+            "metadata": {"shape": [int(s) for s in shape], "data_type": dtype,
+                         "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": chunk}},
+                         "chunk_key_encoding": {"name": "default"}, "codecs": codecs, "fill_value": 0}}
+
+
+def create_array(root, name: str, dtype, shape, *, layout: str = "small"):
+    """A new zarr3 array (the folder must be empty: callers delete old arrays key by key first)."""
+    import tensorstore as ts
+
+    return ts.open(_zarr_spec(root, name, dtype, shape, layout=layout), create=True).result()
+
+
+def write_array(root, name: str, values: np.ndarray) -> dict:
+    """Write a small array whole; returns its manifest entry (dtype, shape, sha256)."""
+    values = np.ascontiguousarray(values)
+    store = create_array(root, name, values.dtype, values.shape)
+    if values.size:
+        store.write(values).result()
+    return {"dtype": values.dtype.str, "shape": list(values.shape), "sha256": array_digest(values)}
+
+
+def open_array(root, name: str, *, cache_bytes: int = 0, write: bool = False):
+    import tensorstore as ts
+
+    spec = {"driver": "zarr3", "kvstore": gcs.kvstore_spec(array_url(root, name)),
+            "recheck_cached_data": "open"}
+    context = ts.Context({"cache_pool": {"total_bytes_limit": int(cache_bytes)}})
+    try:
+        return ts.open(spec, read=True, write=write, open=True, context=context).result()
+    except Exception as err:  # tensorstore raises ValueError / its own errors for a missing array
+        raise StoreError(f"cannot open array {name} of the token store at {root}: {err}") from err
+
+
+def read_array(root, name: str) -> np.ndarray:
+    return np.asarray(open_array(root, name).read().result())
+
+
+def verify_array(root, name: str, entry: dict) -> str | None:
+    """Recompute one array's digest from storage; None when it matches, else the problem."""
+    try:
+        store = open_array(root, name)
+    except StoreError as err:
+        return str(err)
+    shape = list(store.shape)
+    if shape != entry["shape"] or np.dtype(store.dtype.numpy_dtype).str != entry["dtype"]:
+        return f"{name}: shape/dtype {shape} {store.dtype} differ from the manifest's"
+    size = int(np.prod(shape)) if shape else 1
+    blocks = []
+    for start in range(0, max(size, 1), DIGEST_BLOCK):
+        stop = min(start + DIGEST_BLOCK, size)
+        part = np.asarray(store[start:stop].read().result()) if len(shape) == 1 else \
+            np.asarray(store.read().result()).reshape(-1)[start:stop]
+        blocks.append(block_digest(part))
+    if combine_digests(entry["dtype"], shape, blocks) != entry["sha256"]:
+        return f"{name}: digest mismatch"
+    return None
+
+
+# Manifest -------------------------------------------------------------------------------------------
+def read_manifest(root) -> dict:
+    url = gcs.join(root, MANIFEST_NAME)
+    try:
+        manifest = json.loads(gcs.read_text(url))
+    except FileNotFoundError as err:
+        raise StoreError(f"no token store at {root} (missing {MANIFEST_NAME}); run `smelt data prepare`") \
+            from err
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise StoreError(f"{url} is not valid JSON: {err}") from err
+    if manifest.get("format") != STORE_FORMAT:
+        raise StoreError(f"{url}: format {manifest.get('format')!r}, expected {STORE_FORMAT!r}")
+    return manifest
+
+
+def is_token_store(root) -> bool:
+    try:
+        return json.loads(gcs.read_text(gcs.join(root, MANIFEST_NAME))).get("format") == STORE_FORMAT
+    except (OSError, ValueError):
+        return False
+
+
+def verify_store(root) -> dict:
+    """Recompute every array digest and the store digest; return the manifest or raise StoreError."""
+    manifest = read_manifest(root)
+    problems = [p for name, entry in sorted(manifest["arrays"].items())
+                if (p := verify_array(root, name, entry))]
+    if store_digest(manifest) != manifest["store_digest"]:
+        problems.append("store_digest does not match the manifest's content")
+    if problems:
+        raise StoreError(f"token store at {root} fails verification: " + "; ".join(problems))
+    return manifest
+
+
+def load_store_tokenizer(root, manifest: dict):
+    from smelt_jax.data.hf_tokenizer import tokenizer_from_record
+
+    record = manifest["tokenizer"]
+    text = gcs.read_text(gcs.join(root, TOKENIZER_NAME)) if record.get("kind") != "bytes" else None
+    tokenizer = tokenizer_from_record(record, text)
+    if tokenizer.sha256 != record["sha256"]:
+        raise StoreError(f"{gcs.join(root, TOKENIZER_NAME)} has sha256 {tokenizer.sha256}, the manifest "
+                         f"records {record['sha256']}")
+    return tokenizer
+
+
+# Reading --------------------------------------------------------------------------------------------
+class TokenArray:
+    """The flat token array: `take(positions)` reads just the covering ranges (concurrently)."""
+
+    def __init__(self, store) -> None:
+        self.store = store
+        self.size = int(store.shape[0])
+        self.dtype = np.dtype(store.dtype.numpy_dtype)
+
+    def take(self, positions) -> np.ndarray:
+        positions = np.asarray(positions, dtype=np.int64)
+        flat = positions.reshape(-1)
+        if flat.size == 0:
+            return np.empty(positions.shape, dtype=self.dtype)
+        if flat.min() < 0 or flat.max() >= self.size:
+            raise IndexError(f"token positions outside 0..{self.size - 1}")
+        unique = np.unique(flat)
+        cut = np.flatnonzero(np.diff(unique) > READ_GAP) + 1
+        first = np.concatenate([[0], cut])
+        last = np.concatenate([cut, [unique.size]])
+        futures = [self.store[int(unique[a]):int(unique[b - 1]) + 1].read() for a, b in zip(first, last)]
+        values = np.empty(unique.size, dtype=self.dtype)
+        for (a, b), future in zip(zip(first, last), futures):
+            chunk = np.asarray(future.result())
+            values[a:b] = chunk[unique[a:b] - unique[a]]
+        return values[np.searchsorted(unique, flat)].reshape(positions.shape)
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        return np.asarray(self.store[start:stop].read().result())
+
+
+class SplitTokens:
+    """One (source, split)'s documents seen as one flat array (what `SplitArrays.tokens` is for a corpus).
+
+    Position i of the view is token i of the concatenation of the split's documents; indexing with an
+    int array or a slice reads only those tokens from the store.
+    """
+
+    def __init__(self, array: TokenArray, doc_starts: np.ndarray, offsets: np.ndarray) -> None:
+        self.array, self.doc_starts, self.offsets = array, doc_starts, offsets
+        self.size = int(offsets[-1])
+        self.shape = (self.size,)
+        self.dtype = array.dtype
+
+    def __len__(self) -> int:
+        return self.size
+
+    def _global(self, local: np.ndarray) -> np.ndarray:
+        if local.size and (local.min() < 0 or local.max() >= self.size):
+            raise IndexError(f"positions outside 0..{self.size - 1}")
+        doc = np.searchsorted(self.offsets, local, side="right") - 1
+        return self.doc_starts[doc] + (local - self.offsets[doc])
+
+    def __getitem__(self, index) -> np.ndarray:
+        if isinstance(index, slice):
+            index = np.arange(*index.indices(self.size), dtype=np.int64)
+        elif isinstance(index, (int, np.integer)):
+            index = np.int64(index + self.size if index < 0 else index)
+            return self.array.take(self._global(np.array([index])))[0]
+        local = np.asarray(index, dtype=np.int64)
+        return self.array.take(self._global(local.reshape(-1))).reshape(local.shape)
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        values = self[0:self.size]
+        return values.astype(dtype) if dtype is not None else values
+
+
+class TokenStore:
+    """A prepared token store opened read-only (local folder or gs://).
+
+    `expect_tokenizer` (a sha256) refuses a store prepared with another tokenizer; `verify=True`
+    recomputes every digest first. `cache_bytes` sizes tensorstore's chunk cache (decompressed chunks
+    shared by all reads of this store).
+    """
+
+    def __init__(self, root, *, verify: bool = False, expect_tokenizer: str | None = None,
+                 cache_bytes: int = 256 << 20) -> None:
+        self.root = gcs.normalize(root)
+        self.manifest = verify_store(self.root) if verify else read_manifest(self.root)
+        record = self.manifest["tokenizer"]
+        if expect_tokenizer and record["sha256"] != expect_tokenizer:
+            raise StoreError(f"token store at {root} was prepared with tokenizer {record['sha256'][:16]} "
+                             f"(vocab {record['vocab_size']}), expected {expect_tokenizer[:16]}; prepare "
+                             "it again with the expected tokenizer")
+        self.tokenizer = load_store_tokenizer(self.root, self.manifest)
+        self.tokens = TokenArray(open_array(self.root, "tokens", cache_bytes=cache_bytes))
+        self.doc_offsets = read_array(self.root, "doc_offsets").astype(np.int64)
+        arrays = self.manifest["arrays"]
+        if (self.tokens.size != arrays["tokens"]["shape"][0]
+                or self.doc_offsets.size != arrays["doc_offsets"]["shape"][0]
+                or int(self.doc_offsets[-1]) != self.tokens.size):
+            raise StoreError(f"token store at {root}: arrays do not match the manifest")
+        self._names = [s["name"] for s in self.manifest["sources"]]
+        self._splits: dict[tuple[str, str], SplitArrays] = {}
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        return tuple(sorted(self._names))
+
+    @property
+    def digest(self) -> str:
+        return self.manifest["store_digest"]
+
+    def document_ids(self, source: str, split: str) -> np.ndarray:
+        if source not in self._names or split not in SPLITS:
+            raise KeyError(f"no split {source}.{split}; sources are {list(self.sources)}, splits {SPLITS}")
+        return read_array(self.root, f"by_source/{self._names.index(source):04d}/{split}").astype(np.int64)
+
+    def split(self, source: str, split: str) -> SplitArrays:
+        key = (source, split)
+        if key not in self._splits:
+            ids = self.document_ids(source, split)
+            starts = self.doc_offsets[ids]
+            offsets = np.zeros(ids.size + 1, dtype=np.int64)
+            np.cumsum(self.doc_offsets[ids + 1] - starts, out=offsets[1:])
+            self._splits[key] = SplitArrays(SplitTokens(self.tokens, starts, offsets), offsets)
+        return self._splits[key]
+
+    def document(self, doc_id: int) -> np.ndarray:
+        return self.tokens.read(int(self.doc_offsets[doc_id]), int(self.doc_offsets[doc_id + 1]))
+
+    def num_tokens(self, split: str) -> int:
+        return sum(s["splits"][split]["tokens"] for s in self.manifest["sources"])
+
+    def summary(self) -> list[dict]:
+        rows = []
+        for meta in self.manifest["sources"]:
+            row = {"source": meta["name"], "kind": "text"}
+            for split in SPLITS:
+                row[f"{split}_documents"] = meta["splits"][split]["documents"]
+                row[f"{split}_tokens"] = meta["splits"][split]["tokens"]
+            rows.append(row)
+        return rows
+
+
+def open_dataset(path=None, *, progress: bool = False, **kwargs):
+    """A token store when `path` holds one, else the embedded corpus folder (`Corpus`) at `path`; with
+    no path, the embedded default corpus (fetched and built on first use). The one way the trainer,
+    evaluation and the analyses find their data."""
+    if path is None:
+        from smelt_jax.data.corpus import Corpus, build_corpus
+
+        return Corpus(build_corpus(progress=progress).folder)
+    if is_token_store(path):
+        return TokenStore(path, **kwargs)
+    from smelt_jax.data.corpus import Corpus
+
+    return Corpus(path)

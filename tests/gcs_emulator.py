@@ -1,0 +1,53 @@
+"""A real local Cloud Storage server for tests: `gcp-storage-emulator` on 127.0.0.1 at a free port.
+
+Import the fixture into a test module that needs it (`from gcs_emulator import gcs_emulator  # noqa:
+F401`). One server per test session, in memory, with the bucket `test-bucket`; the fixture sets
+`TENSORSTORE_GCS_HTTP_URL` (tensorstore's `gcs` kvstore, used for every gs:// byte in smelt_jax.data)
+and `STORAGE_EMULATOR_HOST` (google-cloud-storage, gcsfs) to it, and restores both afterwards.
+Child processes (multiprocessing, subprocess) inherit the variables. Skips when the emulator is not
+installed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+
+import pytest
+
+BUCKET = "test-bucket"
+_VARIABLES = ("TENSORSTORE_GCS_HTTP_URL", "STORAGE_EMULATOR_HOST")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def gcs_emulator():
+    """The emulator's base URL (http://127.0.0.1:PORT); gs://test-bucket/ exists and is empty."""
+    server_module = pytest.importorskip("gcp_storage_emulator.server")
+    from smelt_jax.data import gcs
+
+    logging.getLogger("gcp_storage_emulator").setLevel(logging.CRITICAL)  # a 404 is not an error here
+    port = _free_port()
+    server = server_module.create_server("127.0.0.1", port, in_memory=True, default_bucket=BUCKET)
+    server.start()
+    url = f"http://127.0.0.1:{port}"
+    previous = {name: os.environ.get(name) for name in _VARIABLES}
+    for name in _VARIABLES:
+        os.environ[name] = url
+    gcs._bucket.cache_clear()  # kvstores opened before the variable was set point elsewhere
+    try:
+        yield url
+    finally:
+        for name, value in previous.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        gcs._bucket.cache_clear()
+        server.stop()
