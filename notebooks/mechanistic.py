@@ -1,5 +1,5 @@
 # %% [markdown]
-# # Mechanistic analyses (spec §9)
+# # Mechanistic analyses (docs/paper.md §9)
 # The tables `smelt analyze RUN_ID --out DIR` writes (one CSV each): routing overlap against k²/n,
 # residual-write ratios and cosines, attention-stage cosines, attended-token overlap, sink mass, Gu et
 # al.'s sink rate and the Dyck head. Without an analysis folder, the same library functions run on a small

@@ -10,11 +10,17 @@ jobs, and the fits are pure functions of `results.csv`, so a second `make demo` 
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import sys
 import time
+import warnings
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
+
+from smelt_jax.train.metrics_log import latest_per_step, read_metrics
 
 FIT_COLUMNS = ("arch", "scale", "sparsity_label", "branch", "F", "S", "D", "loss", "cell")
 
@@ -33,50 +39,136 @@ def fit_points(results: pd.DataFrame) -> pd.DataFrame:
         .reset_index(drop=True)[list(FIT_COLUMNS)]
 
 
+@dataclasses.dataclass
+class DemoReport:
+    """What the demo found, beyond its tables: checks that failed (warnings) and plain facts (notes)."""
+
+    warnings: list[str] = dataclasses.field(default_factory=list)
+    notes: list[str] = dataclasses.field(default_factory=list)
+    paths: list[Path] = dataclasses.field(default_factory=list)
+
+    def text(self) -> str:
+        lines = []
+        if self.warnings:
+            lines += ["## Warnings", ""] + [f"- {w}" for w in self.warnings] + [""]
+        if self.notes:
+            lines += ["## Notes", ""] + [f"- {n}" for n in self.notes] + [""]
+        return "\n".join(lines)
+
+
+# An endpoint must lie this far (nats) below the training loss at its fork to pass.
+ENDPOINT_TOLERANCE = 0.0
+
+
+def _fork_loss(metrics: list[dict], fork_step: int, window: int = 3) -> float | None:
+    """Mean training cross-entropy of the last `window` logged steps at or before `fork_step`."""
+    logged = [m for m in latest_per_step(metrics) if m["step"] <= fork_step and "ce" in m]
+    if not logged:
+        return None
+    return float(np.mean([m["ce"] for m in logged[-window:]]))
+
+
+def endpoint_checks(results: pd.DataFrame, root: Path | None = None) -> list[str]:
+    """Warnings for endpoints that did not improve with training.
+
+    - an endpoint's validation loss should lie below the stable run's training loss at its fork step
+      (the mean of the last few logged steps there);
+    - of two branches of one run, the longer should end lower.
+    """
+    from experiments import find_run
+    from smelt_jax.rundir import run_dir
+
+    problems = []
+    for run_id, rows in results.groupby("run_id", sort=True):
+        rows = rows.sort_values("tokens", kind="stable")
+        run = find_run(str(run_id))
+        metrics_path = run_dir(run.suite, run.id, root).metrics(None)
+        metrics = read_metrics(metrics_path, warn=False) if metrics_path.exists() else []
+        for _, row in rows.iterrows():
+            fork = run.schedule.fork_steps[int(row["branch"])]
+            before = _fork_loss(metrics, fork)
+            if before is not None and not row["val_loss"] < before - ENDPOINT_TOLERANCE:
+                problems.append(f"{run_id} branch {int(row['branch'])}: endpoint loss {row['val_loss']:.4f} "
+                                f"is not below the loss at its fork (step {fork}: {before:.4f})")
+        for (_, short), (_, long) in zip(rows.iloc[:-1].iterrows(), rows.iloc[1:].iterrows()):
+            if not long["val_loss"] < short["val_loss"]:
+                problems.append(f"{run_id}: branch {int(long['branch'])} ({int(long['tokens']):,} tokens) ends "
+                                f"at {long['val_loss']:.4f}, not below branch {int(short['branch'])} "
+                                f"({int(short['tokens']):,} tokens, {short['val_loss']:.4f})")
+    return problems
+
+
+def fit_and_report(out_dir: Path, n_bootstrap: int = 200) -> DemoReport:
+    """Fit `out_dir/results.csv` per architecture and write the tables; every degenerate, unidentified or
+    failed fit is reported in the returned report, never raised."""
+    from smelt_jax.scaling import health, io
+    from smelt_jax.scaling.pipeline import fit_suite_table, gain_report
+
+    report = DemoReport()
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # degenerate laws overflow: reported below
+        try:
+            report.paths = fit_suite_table(out_dir, n_bootstrap=n_bootstrap)
+        except ValueError as err:  # a table the law cannot be fitted to (too few or invalid points)
+            report.warnings.append(f"no fit: {err}")
+            return report
+        for arch in ("baseline", "smelt"):
+            report.warnings += health.assess_fit(io.load_coefficients(out_dir / arch))
+        pair = json.loads((out_dir / "pair.json").read_text())
+        rows = gain_report(out_dir / "baseline", out_dir / "smelt", pair["compute"], pair["sparsity"])
+        report.warnings += health.assess_gains(rows)
+    return report
+
+
 def run_demo(suite: str = "smoke", out_dir: Path | None = None, *, parallel: int = 2,
-             n_bootstrap: int = 200, progress: bool = True) -> Path:
+             n_bootstrap: int = 200, progress: bool = True, accept_digest: bool = False) -> DemoReport:
     from smelt_jax.data.corpus import build_corpus
     from smelt_jax.results import read_results
-    from smelt_jax.scaling.pipeline import fit_suite_table
     from smelt_jax.rundir import results_dir
-    from smelt_jax.sweep.local import run_suite_locally
+    from smelt_jax.sweep.local import SweepError, run_suite_locally
 
     out_dir = Path(out_dir or Path("fits") / suite)
     started = time.time()
-    print("[demo] 1/3 corpus (built once, then verified) ...", file=sys.stderr, flush=True)
-    build_corpus(progress=progress)
+    print("[demo] 1/3 corpus (fetched and built once, then verified) ...", file=sys.stderr, flush=True)
+    build_corpus(progress=progress, accept_digest=accept_digest)
     print(f"[demo] 2/3 training suite {suite!r} locally ({parallel} at a time; resumes) ...",
           file=sys.stderr, flush=True)
-    run_suite_locally(suite, parallel=parallel, progress=progress)
+    report = DemoReport()
+    try:
+        run_suite_locally(suite, parallel=parallel, progress=progress)
+    except SweepError as err:  # fit what finished; say what did not
+        report.warnings.append(f"training: {err}")
     results = read_results(results_dir(suite))
+    report.warnings += endpoint_checks(results)
     points = fit_points(results)
-    if points.empty:
-        raise ValueError(f"suite {suite!r} has no sparse endpoints to fit")
     out_dir.mkdir(parents=True, exist_ok=True)
     points.to_csv(out_dir / "results.csv", index=False, float_format="%.8g")
     print(f"[demo] 3/3 fitting {len(points)} endpoints per-architecture and writing tables ...",
           file=sys.stderr, flush=True)
-    paths = fit_suite_table(out_dir, n_bootstrap=n_bootstrap)
-    note = identifiability_note(points)
+    if points.empty:
+        report.warnings.append(f"suite {suite!r} has no sparse endpoints to fit")
+    else:
+        fitted = fit_and_report(out_dir, n_bootstrap)
+        report.warnings += fitted.warnings
+        report.paths = fitted.paths
+    report.notes.append(identifiability_note(points) if not points.empty else "no endpoints")
     (out_dir / "README.md").write_text(
         f"# fits/{suite}\n\nRegenerated by `make demo` (smelt_jax.demo) from the `{suite}` suite's "
-        "endpoints (`results.csv`) and by `make fits` from that file.\n\n" + note + "\n")
+        "endpoints (`results.csv`) and by `make fits` from that file.\n\n" + report.text())
     print(f"[demo] done in {time.time() - started:.0f} s. Tables and figures in {out_dir}/:")
-    for path in sorted(set(paths)):
+    for path in sorted(set(report.paths)):
         print(f"  {path}")
     ce = out_dir / "ce_gain.md"
     if ce.exists():
         print("\n" + ce.read_text())
-    print(note)
-    return out_dir
-
-
-SMELT_LAW_PARAMETERS = 6
-POINTS_PER_PARAMETER = 4  # below this a 6-parameter law is not identified (the paper fits 72 points)
+    print(report.text())
+    return report
 
 
 def identifiability_note(points: pd.DataFrame) -> str:
     """Says plainly whether the fitted numbers can mean anything."""
+    from smelt_jax.scaling.health import POINTS_PER_PARAMETER, SMELT_LAW_PARAMETERS
+
     counts = points.groupby("arch").size().to_dict()
     enough = all(n >= POINTS_PER_PARAMETER * SMELT_LAW_PARAMETERS for n in counts.values())
     counts_text = ", ".join(f"{arch} {n}" for arch, n in sorted(counts.items()))

@@ -39,8 +39,7 @@ def write_fake_tree(root: Path, n_files: int = 24) -> Roots:
     (stdlib / "tests" / "test_skip.py").write_text("# excluded by pattern\n" * 20)
     (stdlib / "pkg" / "binary.py").write_bytes(b"x = 1\n\x00\x01" * 30)
     (stdlib / "pkg" / "latin1.py").write_bytes(b"# caf\xe9 \xe9\xe9\n" * 30)
-    return Roots(stdlib=str(stdlib), site_packages=str(site), python_include=None, usr_include=None,
-                 licenses=str(licenses))
+    return Roots.of(stdlib=stdlib, site_packages=site, licenses=licenses)
 
 
 def tiny_config(roots: Roots, **changes) -> BuildConfig:

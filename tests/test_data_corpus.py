@@ -12,14 +12,21 @@ import numpy as np
 import pytest
 from data_helpers import TINY_SOURCES, build_tiny_corpus, tiny_config, write_fake_tree
 
+from smelt_jax.data import corpus as corpus_module
 from smelt_jax.data.corpus import (
+    CORPUS_VERSION,
+    EXPECTED_FILE,
     MANIFEST_NAME,
     BuildConfig,
     Corpus,
     CorpusError,
+    DigestMismatch,
     build_corpus,
+    check_expected,
+    expected_record,
     verify_corpus,
 )
+from smelt_jax.data.inputs import PINNED_ARCHIVES
 from smelt_jax.data.sources import (
     DEFAULT_SOURCES,
     FileSet,
@@ -126,7 +133,7 @@ def test_split_depends_only_on_content(tmp_path):
     """Renaming every file (so the read order changes) keeps the same validation documents."""
     first = build_tiny_corpus(tmp_path / "a")
     roots = write_fake_tree(tmp_path / "b" / "src")
-    for path in sorted(Path(roots.stdlib, "pkg").glob("mod*.py")):
+    for path in sorted(Path(roots.get("stdlib"), "pkg").glob("mod*.py")):
         path.rename(path.with_name("z_" + path.name))
     second = Corpus(build_corpus(tmp_path / "b" / "corpus", tiny_config(roots), progress=False).folder)
     assert sorted(_documents(first, "code", "val")) == sorted(_documents(second, "code", "val"))
@@ -134,13 +141,13 @@ def test_split_depends_only_on_content(tmp_path):
 
 def test_duplicates_across_sources_kept_once(tmp_path):
     roots = write_fake_tree(tmp_path / "src")
-    Path(roots.licenses, "COPY.py").write_text(Path(roots.stdlib, "pkg", "mod00.py").read_text())
+    Path(roots.get("licenses"), "COPY.py").write_text(Path(roots.get("stdlib"), "pkg", "mod00.py").read_text())
     sources = TINY_SOURCES[:1] + (SourceSpec("dup", "prose:english", "licences",
                                              (FileSet("licenses", ("*",)),), 1_000_000),)
     config = BuildConfig(sources=sources, roots=roots, val_fraction=0.2, max_document_bytes=100_000)
     corpus = Corpus(build_corpus(tmp_path / "c", config, progress=False).folder)
     dup_docs = _documents(corpus, "dup", "train") + _documents(corpus, "dup", "val")
-    assert Path(roots.stdlib, "pkg", "mod00.py").read_bytes() not in dup_docs
+    assert Path(roots.get("stdlib"), "pkg", "mod00.py").read_bytes() not in dup_docs
     assert corpus.manifest["sources"]["dup"]["duplicates_dropped"] == 1
 
 
@@ -189,18 +196,23 @@ def test_open_refuses_other_tokenizer_and_bad_folders(tmp_path):
     with pytest.raises(CorpusError, match="does not match"):
         Corpus(corpus.folder)
     with pytest.raises(ValueError):
-        BuildConfig(sources=TINY_SOURCES, roots=Roots(None, None, None, None, None), val_fraction=0)
+        BuildConfig(sources=TINY_SOURCES, roots=Roots.of(), val_fraction=0)
 
 
 def test_source_without_text_is_an_error(tmp_path):
-    empty = Roots(stdlib=str(tmp_path), site_packages=None, python_include=None, usr_include=None,
-                  licenses=None)
+    empty = Roots.of(stdlib=tmp_path)
     with pytest.raises(CorpusError, match="no readable text"):
         build_corpus(tmp_path / "c", tiny_config(empty), progress=False)
 
 
-def test_default_sources_find_text_on_this_machine(tmp_path):
-    """The default recipe at 1/40 of its caps: every source reads real text from its real roots."""
+def _default_roots() -> Roots:
+    from smelt_jax.data.corpus import default_data_dir
+    from smelt_jax.data.inputs import fetch_inputs
+    return Roots.of(fetch_inputs(default_data_dir()))
+
+
+def test_default_sources_read_the_pinned_archives(tmp_path):
+    """The default recipe at 1/40 of its caps: every source reads real text from the pinned archives."""
     small = tuple(dataclasses.replace(s, max_bytes=s.max_bytes // 40) for s in DEFAULT_SOURCES)
     corpus = Corpus(build_corpus(tmp_path / "small", BuildConfig(sources=small), progress=False).folder)
     assert sorted(s.name for s in DEFAULT_SOURCES) == sorted(corpus.sources)
@@ -209,20 +221,98 @@ def test_default_sources_find_text_on_this_machine(tmp_path):
         used = sum(p["bytes"] for p in meta["provenance"])
         assert spec.max_bytes <= used <= spec.max_bytes + (1 << 20), spec.name
         assert meta["splits"]["train"]["documents"] > 0 and meta["splits"]["val"]["documents"] > 0
+    assert [a["sha256"] for a in corpus.manifest["inputs"]] == [a.sha256 for a in PINNED_ARCHIVES]
     python = corpus.tokenizer.decode(corpus.split("python", "train").tokens[:200_000])
     assert "def " in python and "import " in python
     c_code = corpus.tokenizer.decode(corpus.split("c", "train").tokens[:200_000])
     assert "#define" in c_code or "#include" in c_code
 
 
+_LIST_SCRIPT = """
+import hashlib, json, sys
+from smelt_jax.data.corpus import default_data_dir
+from smelt_jax.data.inputs import fetch_inputs
+from smelt_jax.data.sources import DEFAULT_SOURCES, Roots, candidate_files
+roots = Roots.of(fetch_inputs(default_data_dir()))
+listing = {spec.name: candidate_files(spec, roots) for spec in DEFAULT_SOURCES}
+print(json.dumps({"digest": hashlib.sha256(json.dumps(listing).encode()).hexdigest(),
+                  "files": sum(map(len, listing.values())), "path": len(sys.path)}))
+"""
+
+
+def test_recipe_file_list_is_the_same_in_another_environment(tmp_path):
+    """The recipe's file list depends on the pinned archives only, not on what else is installed: a
+    second interpreter with an extra site folder (a fake `libtpu` and other packages, as the TPU extra
+    adds) and another working directory lists the same files."""
+    import os
+    import subprocess
+    import sys
+
+    extra = tmp_path / "extra_site"
+    for package in ("libtpu", "torch", "django", "numpy"):
+        (extra / package).mkdir(parents=True)
+        (extra / package / "__init__.py").write_text('"""An installed package the corpus must not read."""\n' * 20)
+        (extra / package / "data.json").write_text('{"key": "value"}\n' * 50)
+    runs = []
+    for env_extra, cwd in (({}, Path.cwd()), ({"PYTHONPATH": str(extra)}, tmp_path)):
+        env = {**os.environ, **env_extra}
+        out = subprocess.run([sys.executable, "-c", _LIST_SCRIPT], env=env, cwd=cwd, check=True,
+                             capture_output=True, text=True).stdout
+        runs.append(json.loads(out.strip().splitlines()[-1]))
+    assert runs[0]["path"] != runs[1]["path"]  # the two interpreters do see different packages
+    assert runs[0]["files"] > 1000
+    assert runs[0]["digest"] == runs[1]["digest"]
+
+
+def test_default_recipe_is_the_committed_one():
+    """Changing the default recipe without recording its digest (`record_expected`) fails here."""
+    expected = json.loads(EXPECTED_FILE.read_text())
+    assert BuildConfig().recipe_digest() == expected["recipe_digest"]
+    assert expected["corpus_version"] == CORPUS_VERSION
+    assert set(expected["sources"]) == {s.name for s in DEFAULT_SOURCES}
+
+
+def test_digest_mismatch_names_the_source_and_files(tmp_path):
+    roots = write_fake_tree(tmp_path / "src")
+    first = build_corpus(tmp_path / "a", tiny_config(roots), progress=False)
+    expected_path = tmp_path / "expected.json"
+    expected_path.write_text(json.dumps(expected_record(first.manifest)))
+    check_expected(first.manifest, expected_path)  # the same corpus passes
+    (Path(roots.get("stdlib")) / "pkg" / "mod03.py").write_text("def changed():\n    return 'another'\n" * 8)
+    second = build_corpus(tmp_path / "b", tiny_config(roots), progress=False)
+    with pytest.raises(DigestMismatch) as err:
+        check_expected(second.manifest, expected_path)
+    message = str(err.value)
+    assert "source code:" in message and "stdlib:pkg/mod03.py" in message and "changed 1" in message
+    assert "source words" not in message and "--accept-digest" in message
+
+
+def test_build_refuses_a_corpus_other_than_the_committed_one(tmp_path, monkeypatch):
+    """build_corpus stops (and leaves nothing) on a mismatch, and keeps the corpus with accept_digest."""
+    roots = write_fake_tree(tmp_path / "src")
+    config = tiny_config(roots)
+    good = build_corpus(tmp_path / "good", config, progress=False)
+    record = expected_record(good.manifest)
+    record["corpus_digest"] = "0" * 64
+    record["sources"]["tables"]["digest"] = "0" * 64
+    expected_path = tmp_path / "expected.json"
+    expected_path.write_text(json.dumps(record))
+    monkeypatch.setattr(corpus_module, "EXPECTED_FILE", expected_path)
+    with pytest.raises(DigestMismatch, match="source tables"):
+        build_corpus(tmp_path / "bad", config, progress=False)
+    assert not (tmp_path / "bad").exists()
+    kept = build_corpus(tmp_path / "bad", config, progress=False, accept_digest=True)
+    assert "not the committed one" in kept.manifest["digest_accepted"]
+
+
 @pytest.mark.slow
-def test_default_corpus_builds_offline(tmp_path):
-    """The real default corpus from this machine's stdlib, site-packages and /usr (20-35 s on 2 cores)."""
+def test_default_corpus_builds_to_the_committed_digest(tmp_path):
+    """The real default corpus from the pinned archives equals the committed digest (5-10 s on 2 cores)."""
     started = time.time()
     result = build_corpus(tmp_path / "default", BuildConfig(), progress=False)
     seconds = time.time() - started
     corpus = Corpus(result.folder)
-    assert {s.name for s in DEFAULT_SOURCES} == set(corpus.sources)
+    assert corpus.digest == json.loads(EXPECTED_FILE.read_text())["corpus_digest"]
     kinds = {corpus.manifest["sources"][s]["kind"] for s in corpus.sources}
     assert {"code:python", "code:c", "prose:english", "structured"} <= kinds
     for spec in DEFAULT_SOURCES:
@@ -235,8 +325,6 @@ def test_default_corpus_builds_offline(tmp_path):
     total_mb = sum(p.stat().st_size for p in result.folder.iterdir()) / 1e6
     assert total_mb < 80
     assert seconds < 90
-    text = corpus.tokenizer.decode(corpus.split("python", "train").document(0))
-    assert "def " in text or "import " in text or "class " in text
 
 
 def test_cli_info_and_errors(tmp_path, capsys):

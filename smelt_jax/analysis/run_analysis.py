@@ -1,4 +1,4 @@
-"""The mechanistic analyses of spec §9 on a trained model: run it with `capture=True` on held-out tokens and
+"""The mechanistic analyses of docs/paper.md §9 on a trained model: run it with `capture=True` on held-out tokens and
 turn the captures into the tables of `analysis.mechanistic` and `analysis.attention`.
 
 Capture names are one vocabulary: the model's `capture=True` arrays carry the names the analyses read

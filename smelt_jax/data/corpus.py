@@ -30,10 +30,13 @@ from pathlib import Path
 
 import numpy as np
 
+from smelt_jax.data.inputs import PINNED_ARCHIVES, Archive, archive_table, fetch_inputs
 from smelt_jax.data.sources import DEFAULT_SOURCES, Roots, SourceSpec, collect_source
 from smelt_jax.data.tokenizer import DEFAULT_TOKENIZER, ByteTokenizer
 
-CORPUS_VERSION = "smelt-default-v1"
+CORPUS_VERSION = "smelt-default-v2"
+# The digest the default recipe must produce (with the per-file hashes that explain a mismatch).
+EXPECTED_FILE = Path(__file__).resolve().parent / "corpus_expected.json"
 MANIFEST_FORMAT = "smelt-corpus/1"
 MANIFEST_NAME = "manifest.json"
 SPLITS = ("train", "val")
@@ -43,12 +46,18 @@ class CorpusError(RuntimeError):
     """A corpus folder that is missing, stale, or fails its checksums."""
 
 
+class DigestMismatch(CorpusError):
+    """The default recipe built a corpus other than the committed one (`expected_digest`)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class BuildConfig:
     """Everything that decides a corpus's bytes (its hash is the manifest's `recipe_digest`)."""
 
     sources: tuple[SourceSpec, ...] = DEFAULT_SOURCES
-    roots: Roots = dataclasses.field(default_factory=Roots.default)
+    # None: the pinned archives `inputs`, fetched into the data cache. Set: these folders (tests, experiments).
+    roots: Roots | None = None
+    inputs: tuple[Archive, ...] = PINNED_ARCHIVES
     val_fraction: float = 0.05
     max_document_bytes: int = 32_768
     corpus_version: str = CORPUS_VERSION
@@ -67,7 +76,9 @@ class BuildConfig:
             raise ValueError(f"max_document_bytes must be >= 64, got {self.max_document_bytes}")
 
     def to_dict(self) -> dict:
-        return {"sources": [s.to_dict() for s in self.sources], "roots": self.roots.to_dict(),
+        origin = ({"inputs": [a.to_dict() for a in self.inputs]} if self.roots is None
+                  else {"roots": list(self.roots.names())})
+        return {"sources": [s.to_dict() for s in self.sources], **origin,
                 "val_fraction": self.val_fraction, "max_document_bytes": self.max_document_bytes,
                 "corpus_version": self.corpus_version, "tokenizer": self.tokenizer.to_dict()}
 
@@ -172,11 +183,79 @@ class BuildResult:
     built: bool  # False when an existing, verified corpus of the same recipe was kept
 
 
+def _source_digest(checksums: dict[str, str], source: str) -> str:
+    return _corpus_digest({k: v for k, v in checksums.items() if k.startswith(f"{source}.")})
+
+
+def expected_record(manifest: dict) -> dict:
+    """What `EXPECTED_FILE` holds: the digests and, per source, the hash of every file it used."""
+    return {"corpus_version": manifest["corpus_version"], "recipe_digest": manifest["recipe_digest"],
+            "corpus_digest": manifest["corpus_digest"],
+            "sources": {name: {"digest": _source_digest(manifest["checksums"], name),
+                               "files": meta["files"]}
+                        for name, meta in sorted(manifest["sources"].items())}}
+
+
+def digest_difference(expected: dict, manifest: dict, limit: int = 8) -> list[str]:
+    """One line per source whose files differ from the expected record: which files, and how."""
+    got = expected_record(manifest)
+    lines = []
+    for name in sorted(set(expected["sources"]) | set(got["sources"])):
+        want, have = expected["sources"].get(name), got["sources"].get(name)
+        if want is None or have is None:
+            lines.append(f"source {name}: {'not expected' if want is None else 'missing'}")
+            continue
+        if want["digest"] == have["digest"]:
+            continue
+        missing = sorted(set(want["files"]) - set(have["files"]))
+        extra = sorted(set(have["files"]) - set(want["files"]))
+        changed = sorted(f for f in set(want["files"]) & set(have["files"])
+                         if want["files"][f] != have["files"][f])
+        parts = [f"{label} {len(items)} ({', '.join(items[:limit])}{', ...' if len(items) > limit else ''})"
+                 for label, items in (("missing", missing), ("extra", extra), ("changed", changed)) if items]
+        lines.append(f"source {name}: " + ("; ".join(parts) or "same files, different tokens (code change?)"))
+    return lines
+
+
+def check_expected(manifest: dict, expected_path: Path | None = None) -> None:
+    """Raise DigestMismatch when `manifest` is of the committed recipe but not the committed corpus."""
+    expected_path = expected_path or EXPECTED_FILE
+    if not expected_path.is_file():
+        return
+    expected = json.loads(expected_path.read_text())
+    if expected["recipe_digest"] != manifest["recipe_digest"]:
+        return  # another recipe (a test's, an experiment's): nothing committed to compare with
+    if expected["corpus_digest"] == manifest["corpus_digest"]:
+        return
+    detail = "\n  ".join(digest_difference(expected, manifest))
+    raise DigestMismatch(
+        f"the corpus built here (digest {manifest['corpus_digest'][:16]}) is not the committed one "
+        f"({expected['corpus_digest'][:16]}, {expected_path.name}):\n  {detail}\n"
+        "Runs trained on it are not comparable with the committed results. Pass --accept-digest to "
+        "use it anyway.")
+
+
+def record_expected(folder: Path | str, expected_path: Path | None = None) -> dict:
+    """Commit a verified default corpus's digests as the expected ones (after a deliberate recipe change)."""
+    manifest = verify_corpus(folder)
+    record = expected_record(manifest)
+    (expected_path or EXPECTED_FILE).write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+    return record
+
+
+def _resolve_roots(config: BuildConfig, progress: bool) -> Roots:
+    if config.roots is not None:
+        return config.roots
+    log = (lambda msg: print(f"smelt data build: {msg}", file=sys.stderr, flush=True)) if progress else None
+    return Roots.of(fetch_inputs(default_data_dir(), config.inputs, log=log))
+
+
 def build_corpus(folder: Path | str | None = None, config: BuildConfig | None = None, *,
-                 force: bool = False, progress: bool = True) -> BuildResult:
+                 force: bool = False, progress: bool = True, accept_digest: bool = False) -> BuildResult:
     """Build the corpus into `folder` (default `default_corpus_dir()`), or verify and keep one already there.
 
     An existing corpus with another recipe, or one that fails its checksums, is an error unless `force`.
+    The default recipe's result must equal the committed digest (`EXPECTED_FILE`), unless `accept_digest`.
     """
     config = config or BuildConfig()
     folder = Path(folder) if folder is not None else default_corpus_dir()
@@ -194,6 +273,7 @@ def build_corpus(folder: Path | str | None = None, config: BuildConfig | None = 
     from tqdm.auto import tqdm  # only the build needs it
 
     started = time.time()
+    roots = _resolve_roots(config, progress)
     folder.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.building-", dir=folder.parent))
     try:
@@ -203,7 +283,7 @@ def build_corpus(folder: Path | str | None = None, config: BuildConfig | None = 
                   disable=not progress, file=sys.stderr) as bar:
             for spec in config.sources:
                 bar.set_postfix_str(spec.name)
-                collected = collect_source(spec, config.roots, config.max_document_bytes,
+                collected = collect_source(spec, roots, config.max_document_bytes,
                                            progress=bar.update)
                 bar.update(max(0, spec.max_bytes - collected.total_bytes))  # source done
                 unique, duplicates = [], 0
@@ -225,9 +305,12 @@ def build_corpus(folder: Path | str | None = None, config: BuildConfig | None = 
                                                  [o for o, _ in chosen], config.tokenizer)
                 sources_meta[spec.name] = {"kind": spec.kind, "description": spec.description,
                                            "max_bytes": spec.max_bytes, "provenance": collected.provenance,
-                                           "duplicates_dropped": duplicates, "splits": splits}
+                                           "duplicates_dropped": duplicates, "splits": splits,
+                                           "files": collected.files}
         manifest = {"format": MANIFEST_FORMAT, "corpus_version": config.corpus_version,
                     "recipe_digest": recipe, "tokenizer": config.tokenizer.to_dict(),
+                    "inputs": (archive_table(config.inputs) if config.roots is None
+                               else dict(roots.paths)),
                     "build": {"val_fraction": config.val_fraction,
                               "max_document_bytes": config.max_document_bytes,
                               "python": sys.version.split()[0], "numpy": np.__version__,
@@ -242,6 +325,12 @@ def build_corpus(folder: Path | str | None = None, config: BuildConfig | None = 
                                       "tokens": sum(s["splits"][split]["tokens"]
                                                     for s in sources_meta.values())}
                               for split in SPLITS}
+        try:
+            check_expected(manifest)
+        except DigestMismatch as err:
+            if not accept_digest:
+                raise
+            manifest["digest_accepted"] = str(err)
         (staging / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
         os.chmod(staging, 0o755)
         if folder.exists():

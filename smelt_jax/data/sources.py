@@ -1,18 +1,19 @@
-"""The named sources of the embedded corpus: where their text lives on a fresh machine, and how to read it.
+"""The named sources of the embedded corpus: which files of the pinned input archives they read, and how.
 
-Every source reads files that a fresh Debian + Python 3.11 machine has, or that `make install` puts into
-.venv from the pinned requirements — nothing is downloaded:
+The inputs are three archives from the Python package index, pinned by sha256 (`smelt_jax.data.inputs`):
+the Django 5.2.8 and NumPy 2.4.6 source distributions and the botocore 1.40.69 wheel. Nothing of the
+machine's own Python, site-packages or /usr is read, so the corpus is the same everywhere.
 
-| source       | kind           | read from                                                                    |
-|--------------|----------------|------------------------------------------------------------------------------|
-| `python`     | code: Python   | the standard library's `.py` files (no tests, no `pydoc_data`)               |
-| `c`          | code: C / C++  | CPython's headers, C/C++ headers in site-packages, glibc/Linux headers       |
-| `prose`      | English prose  | pydoc topic texts, docstrings of site-packages modules, licence texts        |
-| `structured` | structured     | JSON / TOML / YAML / CSV / INI files and wheel RECORDs in site-packages     |
+| source       | kind           | read from                                                                     |
+|--------------|----------------|-------------------------------------------------------------------------------|
+| `python`     | code: Python   | Django's and NumPy's `.py` files (no tests, no vendored build tools)          |
+| `c`          | code: C / C++  | NumPy's C and C++ sources and headers (`.c`, `.h`, `.cpp`, `.cc`, `.hpp`, `.c.src`, `.h.src`) |
+| `prose`      | English prose  | Django's reStructuredText manual (`docs/**/*.txt`), NumPy's (`doc/**/*.rst`), licence texts |
+| `structured` | structured     | botocore's JSON service descriptions, NumPy's CSV / TOML / YAML / INI files   |
 
 Files are taken in a deterministic pseudo-random order (sha256 of "source:root:relative path"), so a byte
-cap samples the whole tree rather than its alphabetical start, and the same files are chosen wherever the
-same paths exist. Unreadable, binary (NUL bytes) and non-UTF-8 files are skipped and counted.
+cap samples the whole tree rather than its alphabetical start. Unreadable, binary (NUL bytes) and
+non-UTF-8 files are skipped and counted.
 """
 
 from __future__ import annotations
@@ -23,8 +24,7 @@ import functools
 import hashlib
 import os
 import re
-import sysconfig
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 # Skip single files above this size: generated blobs, not text anyone wrote.
@@ -35,28 +35,21 @@ MIN_DOCUMENT_BYTES = 64
 
 @dataclasses.dataclass(frozen=True)
 class Roots:
-    """The folders the sources read; `None` (or a missing folder) means that part contributes nothing."""
+    """The folders the sources read, by root name; a missing name (or None) contributes nothing."""
 
-    stdlib: str | None
-    site_packages: str | None
-    python_include: str | None
-    usr_include: str | None
-    licenses: str | None
+    paths: tuple[tuple[str, str | None], ...] = ()
 
     @classmethod
-    def default(cls) -> Roots:
-        """This interpreter's standard library, its site-packages (.venv), and the Debian system folders."""
-        paths = sysconfig.get_paths()
-        return cls(stdlib=paths["stdlib"], site_packages=paths["purelib"],
-                   python_include=paths["include"], usr_include="/usr/include",
-                   licenses="/usr/share/common-licenses")
+    def of(cls, mapping: Mapping[str, str | Path | None] | None = None, **named: str | Path | None) -> Roots:
+        merged = {**(mapping or {}), **named}
+        return cls(tuple(sorted((k, None if v is None else str(v)) for k, v in merged.items())))
 
     def get(self, name: str) -> Path | None:
-        value = getattr(self, name)
+        value = dict(self.paths).get(name)
         return Path(value) if value else None
 
-    def to_dict(self) -> dict[str, str | None]:
-        return dataclasses.asdict(self)
+    def names(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self.paths)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,47 +74,40 @@ class SourceSpec:
         return dataclasses.asdict(self)
 
 
-_TEST_DIRS = ("**/test/**", "**/tests/**", "**/testing/**", "**/_vendored/**")
-# Optional extras (libtpu) and this project itself must not change the corpus.
-_SITE_EXCLUDE = _TEST_DIRS + ("libtpu/**", "libtpu-*/**", "smelt_jax/**", "__editable__*",
-                              "**/benchmarks/**")
+_TEST_DIRS = ("**/test/**", "**/tests/**", "**/testing/**", "**/_vendored/**", "**/benchmarks/**")
+# NumPy's sdist carries a copy of meson (a build tool) and of other projects' sources: not NumPy's text.
+_NUMPY_VENDORED = ("vendored-meson/**", "numpy/_core/src/highway/**", "numpy/_core/src/common/pythoncapi-compat/**",
+                   "numpy/fft/pocketfft/**", "numpy/linalg/lapack_lite/**", "numpy/_core/src/npysort/x86-simd-sort/**")
 
 DEFAULT_SOURCES: tuple[SourceSpec, ...] = (
     SourceSpec(
         name="python", kind="code:python",
-        description="Python standard library sources",
-        file_sets=(FileSet("stdlib", ("**/*.py",),
-                           _TEST_DIRS + ("site-packages/**", "dist-packages/**", "pydoc_data/**",
-                                         "lib2to3/tests/**", "idlelib/idle_test/**")),),
+        description="Python code of Django and NumPy",
+        file_sets=(FileSet("django", ("django/**/*.py",), _TEST_DIRS),
+                   FileSet("numpy", ("numpy/**/*.py",), _TEST_DIRS + _NUMPY_VENDORED)),
         max_bytes=8_000_000),
     SourceSpec(
         name="c", kind="code:c",
-        description="C and C++ headers: CPython, packages in site-packages, glibc and Linux UAPI",
-        file_sets=(
-            FileSet("python_include", ("**/*.h",)),
-            FileSet("site_packages", ("**/*.h", "**/*.hpp", "**/*.hh"), _SITE_EXCLUDE),
-            # Architecture-independent libc6-dev / linux-libc-dev folders only (no X11, GL, ...).
-            FileSet("usr_include", ("*.h", "sys/*.h", "linux/*.h", "asm-generic/*.h", "netinet/*.h",
-                                    "arpa/*.h", "net/*.h", "scsi/*.h")),
-        ),
+        description="C and C++ sources and headers of NumPy",
+        file_sets=(FileSet("numpy", ("numpy/**/*.c", "numpy/**/*.h", "numpy/**/*.cpp", "numpy/**/*.cc",
+                                     "numpy/**/*.hpp", "numpy/**/*.c.src", "numpy/**/*.h.src"),
+                           _TEST_DIRS + _NUMPY_VENDORED),),
         max_bytes=6_000_000),
     SourceSpec(
         name="prose", kind="prose:english",
-        description="English prose: pydoc topic texts, docstrings of site-packages modules, licences",
+        description="English prose: the Django and NumPy manuals (reStructuredText) and licence texts",
         file_sets=(
-            FileSet("stdlib", ("pydoc_data/topics.py",), extractor="pydoc_topics"),
-            FileSet("site_packages", ("**/*.py",), _SITE_EXCLUDE, extractor="docstrings"),
-            FileSet("licenses", ("*",)),
-            FileSet("site_packages", ("*.dist-info/LICENSE*", "*.dist-info/licenses/**"), _SITE_EXCLUDE),
+            FileSet("django", ("docs/**/*.txt", "LICENSE", "AUTHORS"), ("docs/releases/**",)),
+            FileSet("numpy", ("doc/**/*.rst", "LICENSE.txt", "LICENSES_bundled.txt"),
+                    ("doc/changelog/**", "doc/release/**")),
         ),
         max_bytes=8_000_000),
     SourceSpec(
         name="structured", kind="structured",
-        description="JSON, TOML, YAML, CSV and INI-style files shipped inside site-packages",
-        file_sets=(FileSet("site_packages", ("**/*.json", "**/*.toml", "**/*.yaml", "**/*.yml",
-                                             "**/*.csv", "**/*.cfg", "**/*.ini", "**/*.mplstyle",
-                                             "*.dist-info/RECORD", "*.dist-info/entry_points.txt"),
-                           _SITE_EXCLUDE),),
+        description="JSON service descriptions of botocore; CSV, TOML, YAML and INI files of NumPy",
+        file_sets=(FileSet("botocore", ("botocore/data/**/*.json",)),
+                   FileSet("numpy", ("**/*.csv", "**/*.toml", "**/*.yaml", "**/*.yml", "**/*.ini",
+                                     "**/*.cfg"), _NUMPY_VENDORED)),
         max_bytes=4_000_000),
 )
 
@@ -249,6 +235,7 @@ class SourceDocuments:
     documents: list[tuple[str, bytes, bytes]]  # (origin "root:relpath#chunk", text, split key)
     provenance: list[dict]
     total_bytes: int
+    files: dict[str, str] = dataclasses.field(default_factory=dict)  # "root:relpath" -> sha256[:16]
 
 
 def _ordered_candidates(spec: SourceSpec, roots: Roots) -> Iterator[tuple[int, str, Path, str]]:
@@ -266,6 +253,11 @@ def _ordered_candidates(spec: SourceSpec, roots: Roots) -> Iterator[tuple[int, s
         yield index, root_name, root, rel
 
 
+def candidate_files(spec: SourceSpec, roots: Roots) -> list[str]:
+    """"root:relpath" of every file `spec` may read, in the order it reads them (the recipe's file list)."""
+    return [f"{root_name}:{rel}" for _, root_name, _, rel in _ordered_candidates(spec, roots)]
+
+
 def collect_source(spec: SourceSpec, roots: Roots, max_document_bytes: int,
                    progress: Callable[[int], None] | None = None) -> SourceDocuments:
     """Read `spec`'s files until `spec.max_bytes` of text is taken; split long texts into chunks."""
@@ -276,7 +268,7 @@ def collect_source(spec: SourceSpec, roots: Roots, max_document_bytes: int,
     candidates = list(_ordered_candidates(spec, roots))
     for index, *_ in candidates:
         stats[index]["files_matched"] += 1
-    documents, total = [], 0
+    documents, total, files = [], 0, {}
     for index, root_name, root, rel in candidates:
         if total >= spec.max_bytes:
             break
@@ -287,6 +279,7 @@ def collect_source(spec: SourceSpec, roots: Roots, max_document_bytes: int,
             stats[index]["files_skipped"] += 1
             continue
         stats[index]["files_used"] += 1
+        files[f"{root_name}:{rel}"] = hashlib.sha256(data).hexdigest()[:16]
         for t_index, text in enumerate(texts):
             # All chunks of one text share a split key: a file never straddles train and validation.
             split_key = hashlib.sha256(text).digest()
@@ -298,4 +291,4 @@ def collect_source(spec: SourceSpec, roots: Roots, max_document_bytes: int,
                 total += len(chunk)
         if progress is not None:
             progress(sum(len(t) for t in texts))
-    return SourceDocuments(spec.name, documents, stats, total)
+    return SourceDocuments(spec.name, documents, stats, total, files)

@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from smelt_jax.scaling import bootstrap, fit, gains, io, paper, tables
+from smelt_jax import paper
+from smelt_jax.scaling import bootstrap, fit, gains, io, tables
 from smelt_jax.scaling.laws import LAWS, ChinchillaLaw, SmeltLaw
 
 
@@ -173,17 +174,17 @@ def write_tables(path) -> list[Path]:
 def write_paper_fits(out_dir) -> list[Path]:
     """fits/paper/: the published coefficients as fit directories, and the CE-gain/TPP tables from them."""
     out_dir = Path(out_dir)
-    for name, law in (("baseline", paper.BASELINE), ("smelt", paper.SMELT)):
+    for name, law in (("baseline", paper.BASELINE_LAW), ("smelt", paper.SMELT_LAW)):
         write_json(out_dir / name / "coefficients.json",
                    {"law": "smelt", **law.to_dict(), "rmse": paper.RMSE[name], "n_points": paper.N_POINTS,
-                    "arch": name, "source": "SMELT paper, spec section 7 (published coefficients)",
+                    "arch": name, "source": "SMELT paper, docs/paper.md §7 (published coefficients)",
                     "compute_range": list(paper.COMPUTE_RANGE),
-                    "compute_range_note": "approximate: 6 x active params (spec 4) x horizons (spec 5)"})
+                    "compute_range_note": "approximate: 6 x active params (docs/paper.md §4) x horizons (docs/paper.md §5)"})
     write_json(out_dir / "pair.json", {"reference": "baseline", "target": "smelt",
                                        "compute": list(paper.COMPUTES), "sparsity": list(paper.SPARSITIES)})
     paths = write_tables(out_dir)
     rows = []
-    for row in gains.gain_rows(paper.BASELINE, paper.SMELT, paper.COMPUTES, paper.SPARSITIES):
+    for row in gains.gain_rows(paper.BASELINE_LAW, paper.SMELT_LAW, paper.COMPUTES, paper.SPARSITIES):
         published, lo, hi = paper.CE_GAIN[(row["C"], row["S"])]
         tpp = paper.TPP_1E21.get(row["S"]) if row["C"] == 1e21 else None
         rows.append({"C": row["C"], "S": row["S"], "ours": f"{100 * row['ce_gain']:.2f}",

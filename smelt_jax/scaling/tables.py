@@ -17,11 +17,17 @@ FORMATS = {"C": "{:.0e}", "S": "{:.2f}", "ce_gain": "{:.2%}", "ce_lo": "{:.1%}",
            "loss_reference": "{:.4f}"}
 
 
+NOT_FINITE = "n/a"  # a degenerate fit's infinite or undefined value, written as such in every table
+MAX_TABLE_VALUE = 1e30  # above this a value is an artefact of a degenerate fit, not a number to read
+
+
 def fmt(value, column: str = "") -> str:
     if isinstance(value, (bool, np.bool_)):
         return "yes" if value else "no"
     if isinstance(value, str):
         return value
+    if value is None or not np.isfinite(value) or abs(value) > MAX_TABLE_VALUE:
+        return NOT_FINITE
     if column in FORMATS:
         return FORMATS[column].format(value)
     if value == 0 or 1e-3 <= abs(value) < 1e5:
@@ -106,6 +112,20 @@ def _pyplot():
     return plt
 
 
+def _finite(x, y):
+    """The points of a curve that can be drawn on a log-x axis: finite, x > 0, |y| not absurd."""
+    x, y = np.broadcast_arrays(np.asarray(x, float), np.asarray(y, float))
+    keep = np.isfinite(x) & np.isfinite(y) & (x > 0) & (np.abs(y) < MAX_TABLE_VALUE)
+    return x[keep], y[keep]
+
+
+def _note_missing(ax, missing: list[str]) -> None:
+    """Say on the figure which curves a degenerate fit left nothing finite to draw for."""
+    if missing:
+        ax.text(0.02, 0.02, "no finite values (degenerate fit): " + ", ".join(missing),
+                transform=ax.transAxes, fontsize=6, color="firebrick", va="bottom")
+
+
 def _save(fig, out_dir, stem) -> list[Path]:
     paths = [Path(out_dir) / f"{stem}.png", Path(out_dir) / f"{stem}.pdf"]
     fig.savefig(paths[0], dpi=100, metadata={"Software": None})
@@ -120,13 +140,21 @@ def loss_vs_compute_figure(out_dir, laws: dict, points=None, sparsities=(0.85, 0
     fig, ax = plt.subplots(figsize=(6, 4))
     grid = np.logspace(np.log10(compute[0]), np.log10(compute[1]), 200)
     colours = plt.cm.viridis(np.linspace(0.1, 0.85, len(sparsities)))
+    missing = []
     for (name, law), style in zip(sorted(laws.items()), ("-", "--", ":", "-.")):
         for s, colour in zip(sparsities, colours):
-            ax.plot(grid, law.frontier_loss(grid, s), style, color=colour, label=f"{name} S={s:.2f}")
+            with np.errstate(all="ignore"):
+                x, y = _finite(grid, law.frontier_loss(grid, s))
+            if x.size:
+                ax.plot(x, y, style, color=colour, label=f"{name} S={s:.2f}")
+            else:
+                missing.append(f"{name} S={s:.2f}")
     if points is not None:
         for s, colour in zip(sparsities, colours):
             near = np.abs(points["S"].to_numpy(float) - s) < 0.02
-            ax.scatter(points["F"][near] * points["D"][near], points["loss"][near], s=10, color=colour)
+            x, y = _finite(points["F"][near] * points["D"][near], points["loss"][near])
+            ax.scatter(x, y, s=10, color=colour)
+    _note_missing(ax, missing)
     ax.set_xscale("log")
     ax.set_xlabel("training compute C = F D (FLOPs)")
     ax.set_ylabel("loss (nats)")
@@ -146,12 +174,24 @@ def ce_gain_figure(out_dir, reference, target, sparsities=(0.85, 0.95, 0.97), co
     fig, ax = plt.subplots(figsize=(6, 4))
     grid = np.logspace(np.log10(compute[0]), np.log10(compute[1]), 100)
     colours = plt.cm.viridis(np.linspace(0.1, 0.85, len(sparsities)))
+    missing = []
     for s, colour in zip(sparsities, colours):
-        ax.plot(grid, 100 * ce_gain(reference, target, grid, s), color=colour, label=f"S={s:.2f}")
+        with np.errstate(all="ignore"):
+            x, y = _finite(grid, 100 * ce_gain(reference, target, grid, s))
+        if not x.size:
+            missing.append(f"S={s:.2f}")
+            continue
+        ax.plot(x, y, color=colour, label=f"S={s:.2f}")
         if reference_draws is not None and target_draws is not None:
-            draws = np.array([ce_gain(r, t, grid, s) for r, t in zip(reference_draws, target_draws)])
-            ax.fill_between(grid, 100 * np.percentile(draws, 2.5, 0), 100 * np.percentile(draws, 97.5, 0),
-                            color=colour, alpha=0.2)
+            with np.errstate(all="ignore"):
+                draws = np.array([ce_gain(r, t, grid, s) for r, t in zip(reference_draws, target_draws)])
+            draws = np.where(np.isfinite(draws), draws, np.nan)
+            ok = np.isfinite(draws).sum(0) > 0
+            if ok.any():
+                lo = np.nanpercentile(draws[:, ok], 2.5, axis=0)
+                hi = np.nanpercentile(draws[:, ok], 97.5, axis=0)
+                ax.fill_between(grid[ok], 100 * lo, 100 * hi, color=colour, alpha=0.2)
+    _note_missing(ax, missing)
     if compute_range is not None:
         ax.axvspan(*compute_range, color="grey", alpha=0.1, label="fitted compute range")
     ax.set_xscale("log")
