@@ -3,7 +3,9 @@
     python -m benchmarks.run                 # all, README rewritten
     python -m benchmarks.run data kernels    # only bench_data and bench_kernels, printed only
 
-Each `bench_<topic>.py` exposes `run() -> str` (a markdown section). Timings are medians measured
+Each `bench_<topic>.py` exposes `run() -> str` (a markdown section). `bench_peer` times our train step
+against Hugging Face `transformers`' Mixtral in PyTorch (optional: `pip install -r requirements/bench.txt`;
+without it the peer rows are skipped with one line saying so and our side still runs). Timings are medians measured
 side by side in one process; the machine is noisy, so compare ratios within one run.
 """
 

@@ -1,0 +1,383 @@
+"""Side by side with a PyTorch peer: one training step of smelt_jax against Hugging Face `transformers`'
+`MixtralForCausalLM`, same shapes, same process, interleaved rounds (issue 17, deliverables 2 and 3).
+
+The step is forward + backward + AdamW (global-norm clip 1.0, float32, eager PyTorch; jitted JAX) at
+d_model 256, 4 layers, 4 query / 2 KV heads of 64, 16 experts top-2, expert width 256, vocabulary 4096,
+batch 8 x 256, one document per row (random tokens, so routing is near uniform).
+
+One FLOP formula for every row (`step_flops_per_token`): 6 x active parameters *including the untied
+unembedding* + full attention over all `seq_len` keys (12 x executed layers x q_width x seq_len; the
+causal half is not subtracted). For a looped model the parameters are the *executed* ones (a looped
+block counted once per pass).
+
+Differences that are not shapes, stated rather than removed:
+- ours adds the Switch load-balance loss (0.01) and the router z-loss (1e-3) to the loss; Mixtral's
+  router aux loss is off by default (`output_router_logits=False`), so the peer computes none;
+- peer attention is PyTorch SDPA with `is_causal` (it may skip the masked half); ours is the reference
+  segment-masked attention that scores every key;
+- no dropout on either side (Mixtral's attention_dropout is 0.0, router jitter 0.0).
+
+Three tables, all from the same interleaved rounds: the peer table (tokens/s, GFLOP/s, ours/peer), the
+loop-overhead ratio (looped / unlooped step time against executed-FLOP ratio at the issue shapes), and
+a matched micro SMELT/Baseline pair (micro-m-s95) step-time ratio against its FLOP ratio.
+
+    .venv/bin/python -m benchmarks.bench_peer            # default rounds
+    SMELT_BENCH_PEER_ROUNDS=1 SMELT_BENCH_PEER_STEPS=1 .venv/bin/python -m benchmarks.bench_peer   # quick
+
+When `torch` / `transformers` are missing the peer rows are skipped with one line saying how to
+install them (`.venv/bin/pip install -r requirements/bench.txt`); our side still runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+THREADS = 2
+ROUNDS = int(os.environ.get("SMELT_BENCH_PEER_ROUNDS", "7"))  # interleaved rounds
+STEPS = int(os.environ.get("SMELT_BENCH_PEER_STEPS", "1"))  # timed steps per candidate per round
+INSTALL_HINT = ".venv/bin/pip install -r requirements/bench.txt"
+OUR_IMPLS = ("auto", "capacity", "tiled", "ragged_dot")  # 'tiled' only where this checkout has it
+# (experts_implementation, torch threads): None = transformers' default (grouped_mm where torch has it).
+# The 1-thread row is a diagnostic: on an oversubscribed machine OpenMP's 2-thread barriers stall.
+PEER_VARIANTS = ((None, THREADS), (None, 1)) + (
+    (("eager", THREADS),) if os.environ.get("SMELT_BENCH_PEER_EAGER") else ())
+MICRO_PAIR = ("m", "s95")  # (scale, sparsity label) of the matched micro SMELT/Baseline pair
+
+# The issue-17 configuration.
+SHAPES = dict(vocab=4096, d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=64,
+              n_experts=16, top_k=2, expert_ffn=256)
+BATCH, SEQ = 8, 256
+LOOP = dict(loop_start=1, loop_length=2, loop_repeats=2)  # layers 1-2 twice: 6 executed layers
+
+
+@dataclasses.dataclass
+class Candidate:
+    group: str  # "peer table", "loop", "micro"
+    name: str
+    tokens: int  # per step
+    flops_per_token: float
+    step: Callable[[], None] | None  # one timed training step, blocking until done
+    cfg: object = None  # the ModelConfig (ratios also in the budget's convention, no unembedding)
+    note: str = ""
+    setup_s: float = 0.0  # build + first (compiling) step
+    times: list[float] = dataclasses.field(default_factory=list)
+    error: str = ""
+
+    @property
+    def median_s(self) -> float:
+        return statistics.median(self.times) if self.times else float("nan")
+
+    @property
+    def min_s(self) -> float:
+        return min(self.times) if self.times else float("nan")
+
+    def round_medians(self, steps: int) -> list[float]:
+        return [statistics.median(self.times[i:i + steps]) for i in range(0, len(self.times), steps)]
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.median_s
+
+    @property
+    def gflops(self) -> float:
+        return self.flops_per_token * self.tokens_per_s / 1e9
+
+
+def step_flops_per_token(cfg) -> float:
+    """6 N_executed (with the unembedding) + full attention over all seq_len keys, forward + backward."""
+    from smelt_jax import budget
+    return budget.train_flops_per_token(cfg, attended_keys=float(cfg.seq_len), include_unembedding=True)
+
+
+def issue_config(**changes):
+    from smelt_jax.config import ModelConfig
+    return ModelConfig(**SHAPES, seq_len=SEQ, **changes)
+
+
+def peer_available() -> tuple[bool, str]:
+    try:
+        import torch
+        import transformers
+    except ImportError as err:
+        return False, (f"peer not installed ({err.name} missing): PyTorch/transformers rows skipped; "
+                       f"install with `{INSTALL_HINT}`")
+    return True, f"torch {torch.__version__}, transformers {transformers.__version__}"
+
+
+# ---------------------------------------------------------------------------------------------- ours
+def _synthetic_batch(batch: int, seq: int, vocab: int, seed: int = 0) -> dict:
+    """Random tokens, one document per row (segment id 1, positions 0..seq-1), every target counted."""
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    stream = rng.integers(0, vocab, size=(batch, seq + 1), dtype=np.int32)
+    return {"tokens": stream[:, :-1], "targets": stream[:, 1:],
+            "segment_ids": np.ones((batch, seq), np.int32),
+            "positions": np.broadcast_to(np.arange(seq, dtype=np.int32), (batch, seq)).copy(),
+            "loss_mask": np.ones((batch, seq), np.float32)}
+
+
+def our_candidate(group: str, name: str, cfg, batch_size: int, note: str = "") -> Candidate:
+    """The project's jitted train step (smelt_jax.train.step), compiled and run once before timing."""
+    import jax
+    import jax.numpy as jnp
+
+    from smelt_jax.config import Schedule
+    from smelt_jax.train.state import init_params
+    from smelt_jax.train.step import make_train_step, optimizer
+
+    cand = Candidate(group, name, batch_size * cfg.seq_len, step_flops_per_token(cfg), None, cfg, note)
+    started = time.perf_counter()
+    try:
+        sched = Schedule(batch_size=batch_size, seq_len=cfg.seq_len, stable_steps=1, fork_steps=(1,),
+                         decay_steps=1, warmup_steps=0, peak_lr=1e-3)
+        graphdef, params = init_params(cfg, 0)
+        tx = optimizer(sched)
+        state = {"params": params, "opt": tx.init(params)}
+        train_step = jax.jit(make_train_step(graphdef, cfg, tx), donate_argnums=(0, 1))
+        batch = jax.device_put(_synthetic_batch(batch_size, cfg.seq_len, cfg.vocab))
+        lr = jnp.float32(1e-3)
+
+        def step() -> None:
+            state["params"], state["opt"], metrics = train_step(state["params"], state["opt"], batch, lr)
+            jax.block_until_ready(metrics["loss"])
+
+        step()  # compile
+        cand.step = step
+    except Exception as err:  # noqa: BLE001 - a backend under construction must not sink the table
+        cand.error = f"{type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''}"
+    cand.setup_s = time.perf_counter() - started
+    return cand
+
+
+# ---------------------------------------------------------------------------------------------- peer
+def peer_candidate(cfg, batch_size: int, experts_impl: str | None = None,
+                   threads: int = THREADS) -> Candidate:
+    """MixtralForCausalLM at cfg's shapes, eager PyTorch, AdamW + clip_grad_norm_(1.0), float32.
+
+    `threads` is set (torch.set_num_threads) before every step, so rows with different thread counts
+    can share one process."""
+    import torch
+    import torch.nn.functional as F
+    import transformers
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    torch.set_num_threads(threads)
+    hf_cfg = MixtralConfig(
+        vocab_size=cfg.vocab, hidden_size=cfg.d_model, intermediate_size=cfg.expert_ffn,
+        num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
+        num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, num_local_experts=cfg.n_experts,
+        num_experts_per_tok=cfg.top_k, max_position_embeddings=cfg.seq_len, rms_norm_eps=cfg.norm_eps,
+        rope_theta=cfg.rope_theta, sliding_window=None, attention_dropout=0.0, router_jitter_noise=0.0,
+        output_router_logits=False, tie_word_embeddings=False, use_cache=False)
+    kwargs = {"attn_implementation": "sdpa"}
+    if experts_impl is not None:
+        kwargs["experts_implementation"] = experts_impl
+    started = time.perf_counter()
+    model = MixtralForCausalLM._from_config(hf_cfg, dtype=torch.float32, **kwargs)
+    model.train()
+    resolved = getattr(model.config, "_experts_implementation", None) or "eager"
+    n_params = sum(p.numel() for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    data = _synthetic_batch(batch_size, cfg.seq_len, cfg.vocab)
+    tokens = torch.from_numpy(data["tokens"]).long()
+    targets = torch.from_numpy(data["targets"]).long()
+
+    def step() -> None:
+        torch.set_num_threads(threads)
+        opt.zero_grad(set_to_none=True)
+        logits = model(input_ids=tokens).logits
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+
+    step()  # warm-up (allocator, lazy init)
+    thread_note = f", {threads} thread" + ("s" if threads > 1 else "")
+    cand = Candidate("peer table", f"transformers MixtralForCausalLM, experts `{resolved}`{thread_note}",
+                     batch_size * cfg.seq_len, step_flops_per_token(cfg), step, cfg,
+                     note=f"{n_params:,} params, sdpa attention, eager")
+    cand.setup_s = time.perf_counter() - started
+    return cand
+
+
+# ---------------------------------------------------------------------------------------------- run
+def _log(*args) -> None:
+    print(*args, file=sys.stderr, flush=True)
+
+
+def build_candidates(log=_log) -> tuple[list[Candidate], list[str]]:
+    import experiments
+    from smelt_jax.kernels.backend import EXPERT_IMPLS, choose_expert_backend
+
+    notes = []
+    cands: list[Candidate] = []
+    ok, peer_line = peer_available()
+    if ok:
+        cfg = issue_config()
+        for impl, threads in PEER_VARIANTS:
+            try:
+                cand = peer_candidate(cfg, BATCH, impl, threads)
+            except Exception as err:  # noqa: BLE001
+                notes.append(f"peer with experts_implementation={impl!r} failed: {type(err).__name__}: {err}")
+                continue
+            if any(c.name == cand.name for c in cands):
+                continue  # the default already resolved to eager
+            cands.append(cand)
+            log(f"  built {cand.name} in {cand.setup_s:.1f} s")
+    else:
+        log(peer_line)
+        notes.append(peer_line)
+    for impl in OUR_IMPLS:
+        if impl not in EXPERT_IMPLS:
+            notes.append(f"expert_impl {impl!r} is not in this checkout's EXPERT_IMPLS; row skipped")
+            continue
+        cfg = issue_config(expert_impl=impl)
+        ran = choose_expert_backend(impl)
+        label = f"smelt_jax train step, expert_impl `{impl}`" + (f" (runs `{ran}`)" if ran != impl else "")
+        cand = our_candidate("peer table", label, cfg, BATCH, "dropless (capacity_factor None)")
+        cands.append(cand)
+        log(f"  built {label} in {cand.setup_s:.1f} s {cand.error}")
+    looped = our_candidate("loop", "looped (layers 1-2 twice, 6 executed)", issue_config(**LOOP), BATCH,
+                           "expert_impl auto")
+    auto_at = next((i for i, c in enumerate(cands) if "`auto`" in c.name), len(cands) - 1)
+    cands.insert(auto_at + 1, looped)  # timed right after the unlooped `auto` step of each round
+    log(f"  built looped in {looped.setup_s:.1f} s {looped.error}")
+    for spec in experiments.load_suite("micro"):
+        if (spec.scale, spec.sparsity_label) == MICRO_PAIR and spec.arch in ("baseline", "smelt"):
+            cand = our_candidate("micro", spec.id, spec.model, spec.schedule.batch_size,
+                                 f"{spec.arch}, batch {spec.schedule.batch_size}x{spec.schedule.seq_len}")
+            cand.note = spec.arch
+            cands.append(cand)
+            log(f"  built {spec.id} in {cand.setup_s:.1f} s {cand.error}")
+    return cands, notes
+
+
+def measure(cands: list[Candidate], rounds: int = ROUNDS, steps: int = STEPS) -> None:
+    """Interleaved: every round times `steps` steps of every candidate, so load hits all alike."""
+    for _ in range(rounds):
+        for cand in cands:
+            if cand.step is None:
+                continue
+            for _ in range(steps):
+                started = time.perf_counter()
+                cand.step()
+                cand.times.append(time.perf_counter() - started)
+
+
+def _budget_flops(cand: Candidate) -> float:
+    """6 N_executed + full attention, without the unembedding (smelt_jax.budget's convention)."""
+    from smelt_jax import budget
+    return budget.train_flops_per_token(cand.cfg, attended_keys=float(cand.cfg.seq_len))
+
+
+def paired_ratio(num: Candidate, den: Candidate, steps: int = STEPS) -> float:
+    """Median over rounds of num's round time / den's round time (adjacent in time, so drift cancels)."""
+    return statistics.median(a / b for a, b in zip(num.round_medians(steps), den.round_medians(steps)))
+
+
+def _fmt_ratio(x: float) -> str:
+    return f"{x:.2f}x"
+
+
+def tables(cands: list[Candidate], notes: list[str], header: str) -> str:
+    out = [header]
+    peer = [c for c in cands if c.group == "peer table" and c.name.startswith("transformers") and c.times]
+    ref = peer[0] if peer else None  # the specified peer: default experts, THREADS threads
+    best = max(peer, key=lambda c: c.tokens_per_s) if peer else None
+    out.append("| implementation | step s (median) | step s (min) | tokens/s | GFLOP/s | tokens/s vs peer "
+               f"({THREADS} threads) | vs fastest peer row | setup s |\n"
+               "|---|---:|---:|---:|---:|---:|---:|---:|")
+    for c in (c for c in cands if c.group == "peer table"):
+        if not c.times:
+            out.append(f"| {c.name} | failed: {c.error or 'not run'} | | | | | | |")
+            continue
+        vs_ref = _fmt_ratio(c.tokens_per_s / ref.tokens_per_s) if ref else "n/a (no peer)"
+        vs_best = _fmt_ratio(c.tokens_per_s / best.tokens_per_s) if best else "n/a (no peer)"
+        out.append(f"| {c.name} | {c.median_s:.3f} | {c.min_s:.3f} | {c.tokens_per_s:,.0f} | {c.gflops:.1f} | {vs_ref} "
+                   f"| {vs_best} | {c.setup_s:.1f} |")
+    unlooped = next((c for c in cands if c.group == "peer table" and "`auto`" in c.name), None)
+    looped = next((c for c in cands if c.group == "loop"), None)
+    out.append("\n**Loop overhead** at the same shapes, `expert_impl` auto (deliverable 3: measured only).\n")
+    out.append("Step-time ratio = median over rounds of looped / unlooped (timed back to back in each round); "
+               "the ratio of the min step times is given too.\n")
+    out.append("| pair | step s median (looped / unlooped) | step s min | step-time ratio | ratio of mins | "
+               "executed-FLOP ratio | time ratio / FLOP ratio | FLOP ratio without unembedding | "
+               "time / that |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    if unlooped and looped and unlooped.times and looped.times:
+        t, f = paired_ratio(looped, unlooped), looped.flops_per_token / unlooped.flops_per_token
+        f0 = _budget_flops(looped) / _budget_flops(unlooped)
+        out.append(f"| 1+2x2+1 looped / 4-layer | {looped.median_s:.3f} / {unlooped.median_s:.3f} | "
+                   f"{looped.min_s:.3f} / {unlooped.min_s:.3f} | {t:.2f} | {looped.min_s / unlooped.min_s:.2f} | "
+                   f"{f:.2f} | {t / f:.2f} | {f0:.2f} | {t / f0:.2f} |")
+    else:
+        out.append(f"| looped / unlooped | failed: {(looped.error if looped else '')} | | | | | | | |")
+    micro = {c.note: c for c in cands if c.group == "micro"}
+    out.append(f"\n**Matched micro pair** (`micro-{MICRO_PAIR[0]}-{MICRO_PAIR[1]}`, the runs' own "
+               "configs and batch shapes, random tokens).\n")
+    out.append("| run | step s (median) | step s (min) | tokens/s | GFLOP/s |\n|---|---:|---:|---:|---:|")
+    for arch in ("baseline", "smelt"):
+        c = micro.get(arch)
+        if c is None:
+            continue
+        if c.times:
+            out.append(f"| {c.name} | {c.median_s:.3f} | {c.min_s:.3f} | {c.tokens_per_s:,.0f} | {c.gflops:.1f} |")
+        else:
+            out.append(f"| {c.name} | failed: {c.error} | | | |")
+    b, s = micro.get("baseline"), micro.get("smelt")
+    if b and s and b.times and s.times:
+        t = paired_ratio(s, b) * b.tokens / s.tokens  # per token; rounds time them back to back
+        t_min = (s.min_s / s.tokens) / (b.min_s / b.tokens)
+        f = s.flops_per_token / b.flops_per_token
+        f0 = _budget_flops(s) / _budget_flops(b)
+        out.append(f"\nSMELT / Baseline time per token **{t:.2f}** (median of per-round ratios; ratio of mins "
+                   f"{t_min:.2f}) against executed FLOPs per token "
+                   f"**{f:.2f}** (time ratio / FLOP ratio {t / f:.2f}); without the unembedding the FLOP "
+                   f"ratio is {f0:.2f} (time / that {t / f0:.2f}).")
+    if notes:
+        out.append("\n" + "\n".join(f"- {n}" for n in notes))
+    return "\n".join(out) + "\n"
+
+
+def run() -> str:
+    import jax
+
+    from smelt_jax.train.trainer import enable_compilation_cache
+
+    enable_compilation_cache()  # the trainer's persistent XLA cache: a rerun skips most compiles
+    started = time.perf_counter()
+    load_before = os.getloadavg()[0]
+    _log(f"bench_peer: building candidates ({ROUNDS} rounds x {STEPS} steps)")
+    cands, notes = build_candidates()
+    measure(cands)
+    load = f"1-minute load average {load_before:.1f} at the start, {os.getloadavg()[0]:.1f} at the end"
+    ok, peer_line = peer_available()
+    cpu_note = (f"XLA:CPU default intra-op pool ({os.cpu_count()} cores visible)"
+                + ("" if os.cpu_count() == THREADS else f"; NOTE: not {THREADS}"))
+    header = (
+        "## Side by side with PyTorch: Mixtral training step (issue 17)\n\n"
+        f"Forward + backward + AdamW, float32, batch {BATCH} x {SEQ} (one document per row, random "
+        "tokens), d_model 256, 4 layers, 4 Q / 2 KV heads of 64, 16 experts top-2, expert width 256, "
+        f"vocabulary 4096. Threads: torch.set_num_threads({THREADS}) (plus one diagnostic peer row at 1 "
+        f"thread); {cpu_note}. "
+        f"{peer_line if ok else 'Peer: not installed.'}; jax {jax.__version__}; "
+        f"{platform.machine()}, {load}. Medians of {ROUNDS} interleaved rounds x {STEPS} steps per candidate, "
+        "all in this one process, after one untimed (compiling / warm-up) step; setup s = build + that "
+        "step (XLA's persistent compilation cache may serve the compile). GFLOP/s = tokens/s x "
+        "(6 N_active incl. unembedding + 12 L_exec q_width x seq_len, full attention), one formula for "
+        "every row. Ours adds load-balance (0.01) and z (1e-3) router losses; Mixtral's router aux loss "
+        "is off by default. Peer attention is SDPA (causal), ours the reference masked attention.\n")
+    text = tables(cands, notes, header)
+    return text + f"\n_bench_peer measured for {time.perf_counter() - started:.0f} s._\n"
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    print(run())
