@@ -10,9 +10,7 @@ import os
 SUITE = os.environ.get("SMELT_DESCRIPTOR_SUITE", "smelt16")  # smelt16, ablations200m, micro, smoke
 
 # %%
-import matplotlib
 
-matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import pandas as pd
 

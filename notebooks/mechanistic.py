@@ -13,9 +13,7 @@ ANALYSIS_DIR = os.environ.get("SMELT_ANALYSIS_DIR", "")  # output of `smelt anal
 # %%
 from pathlib import Path
 
-import matplotlib
 
-matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd

@@ -15,9 +15,7 @@ RESULTS_DIR = os.environ.get("SMELT_RESULTS_DIR", "")  # a folder with results.p
 # %%
 from pathlib import Path
 
-import matplotlib
 
-matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd

@@ -15,9 +15,7 @@ SUITE = os.environ.get("SMELT_SUITE", "smoke")
 # %%
 from pathlib import Path
 
-import matplotlib
 
-matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import pandas as pd
 

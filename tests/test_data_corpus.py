@@ -338,3 +338,22 @@ def test_cli_info_and_errors(tmp_path, capsys):
         assert f"| {source} |" in out
     assert main(["data", "info", "--dir", str(tmp_path / "none")]) == 2
     assert "no corpus" in capsys.readouterr().err
+
+
+def test_inputs_from_a_mirror_and_a_missing_archive_is_one_line(tmp_path, monkeypatch, capsys):
+    """SMELT_CORPUS_MIRROR serves the archives from a folder; a file it lacks is one line, exit 2; a file
+    with other bytes than the pinned ones is refused and moved aside."""
+    from smelt_jax.cli import main
+    from smelt_jax.data import inputs
+
+    mirror = tmp_path / "mirror"
+    mirror.mkdir()
+    monkeypatch.setenv("SMELT_CORPUS_MIRROR", str(mirror))
+    monkeypatch.setenv("SMELT_DATA_DIR", str(tmp_path / "data"))
+    assert main(["data", "build", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and PINNED_ARCHIVES[0].filename in err and "SMELT_CORPUS_MIRROR" in err
+    (mirror / PINNED_ARCHIVES[0].filename).write_bytes(b"not the archive")
+    with pytest.raises(inputs.InputError, match="is not the pinned"):
+        inputs.fetch_inputs(tmp_path / "data", PINNED_ARCHIVES[:1])
+    assert (tmp_path / "data" / "archives" / (PINNED_ARCHIVES[0].filename + ".bad")).exists()

@@ -42,7 +42,7 @@ def test_degenerate_table_is_reported_not_raised(tmp_path):
         report = fit_and_report(tmp_path, n_bootstrap=16)
     text = "\n".join(report.warnings)
     assert "unidentified: 8 points for 6 parameters" in text
-    assert "smelt: degenerate" in text or "CE gain at" in text
+    assert "smelt: degenerate" in text or "not a finite number" in text
     for name in ("ce_gain.md", "ce_gain.png", "loss_vs_compute.png", "smelt/coefficients.json"):
         assert (tmp_path / name).exists(), name
     table = (tmp_path / "ce_gain.md").read_text()

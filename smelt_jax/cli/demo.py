@@ -6,9 +6,16 @@ DEMO_MINUTES = "about 15 minutes on 2 cores"
 
 
 def cmd_demo(args) -> int:
+    from smelt_jax.cli import CliError
+    from smelt_jax.data.corpus import CorpusError
+    from smelt_jax.data.inputs import InputError
     from smelt_jax.demo import run_demo
-    run_demo(args.suite, args.out, parallel=args.parallel, n_bootstrap=args.bootstrap,
-             progress=not args.quiet, accept_digest=args.accept_digest)
+
+    try:
+        run_demo(args.suite, args.out, parallel=args.parallel, n_bootstrap=args.bootstrap,
+                 progress=not args.quiet, accept_digest=args.accept_digest)
+    except (CorpusError, InputError) as err:  # no corpus, no demo: say why in one message
+        raise CliError(str(err)) from None
     return 0
 
 

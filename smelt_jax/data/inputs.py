@@ -86,10 +86,11 @@ def _download(archive: Archive, target: Path) -> None:
     mirror = os.environ.get(MIRROR_ENV)
     source = f"{mirror.rstrip('/')}/{archive.filename}" if mirror else archive.url
     partial = target.with_name(target.name + ".part")
+    local = bool(mirror) and "://" not in mirror
     last_error: Exception | None = None
-    for attempt in range(DOWNLOAD_ATTEMPTS):
+    for attempt in range(1 if local else DOWNLOAD_ATTEMPTS):  # a local copy is not worth retrying
         try:
-            if mirror and "://" not in mirror:
+            if local:
                 shutil.copyfile(source, partial)
             else:
                 with urllib.request.urlopen(source, timeout=120) as response, open(partial, "wb") as out:
@@ -98,11 +99,11 @@ def _download(archive: Archive, target: Path) -> None:
             return
         except (OSError, urllib.error.URLError) as err:
             last_error = err
-            time.sleep(min(2 ** attempt, 8))
+            if not local:
+                time.sleep(min(2 ** attempt, 8))
     partial.unlink(missing_ok=True)
-    raise InputError(f"could not download {archive.filename} from {source} after {DOWNLOAD_ATTEMPTS} "
-                     f"attempts ({last_error}); set {MIRROR_ENV} to a folder holding the file to build "
-                     "offline")
+    raise InputError(f"could not fetch {archive.filename} from {source} ({last_error}); set {MIRROR_ENV} "
+                     "to a folder holding the file to build without PyPI")
 
 
 def _members(path: Path) -> list[tuple[str, Callable[[], bytes], int]]:

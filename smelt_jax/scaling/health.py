@@ -43,13 +43,17 @@ def assess_fit(coefficients: dict, n_params: int = SMELT_LAW_PARAMETERS) -> list
     return problems
 
 
+GAIN_VALUES = {"ce_gain": "CE gain", "tpp_reference": "TPP of the reference",
+               "tpp_target": "TPP of the target", "loss_target": "frontier loss of the target"}
+
+
 def assess_gains(rows: list[dict]) -> list[str]:
-    """Problems of CE-gain rows: gains or optimal allocations that are not finite numbers."""
+    """Problems of CE-gain rows: gains or optimal allocations that are not finite numbers, by name."""
     problems = []
     for row in rows:
-        where = f"C={row['C']:.0e}, S={row['S']:.2f}"
-        values = [row.get(k) for k in ("ce_gain", "tpp_reference", "tpp_target", "loss_target")]
-        if any(v is None or not math.isfinite(v) or abs(v) > 1e30 for v in values):
-            problems.append(f"CE gain at {where}: not a finite number (the two frontiers do not meet "
-                            "there, or a fit is degenerate)")
+        bad = [label for key, label in GAIN_VALUES.items()
+               if row.get(key) is None or not math.isfinite(row[key]) or abs(row[key]) > 1e30]
+        if bad:
+            problems.append(f"C={row['C']:.0e}, S={row['S']:.2f}: {', '.join(bad)} not a finite number "
+                            "(a degenerate fit, or frontiers that do not meet there)")
     return problems

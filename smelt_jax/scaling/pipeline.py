@@ -148,8 +148,13 @@ def write_pair_tables(pair_dir, reference="baseline", target="smelt", computes=p
     axis = (min(computes) / 10, max(computes) * 10)  # a decade either side of the tabulated computes
     paths += tables.ce_gain_figure(pair_dir, ref["_law"], tgt["_law"], sparsities, compute=axis,
                                    reference_draws=ref_draws, target_draws=tgt_draws)
+    points_path = pair_dir / "results.csv"  # a trained suite's endpoints, shown with the frontiers
+    points = pd.read_csv(points_path) if points_path.exists() else None
+    if points is not None:
+        compute = points["F"] * points["D"]
+        axis = (min(axis[0], float(compute.min()) / 2), max(axis[1], float(compute.max()) * 2))
     paths += tables.loss_vs_compute_figure(pair_dir, {reference: ref["_law"], target: tgt["_law"]},
-                                           sparsities=sparsities, compute=axis)
+                                           points=points, sparsities=sparsities, compute=axis)
     return paths
 
 

@@ -150,10 +150,17 @@ def loss_vs_compute_figure(out_dir, laws: dict, points=None, sparsities=(0.85, 0
             else:
                 missing.append(f"{name} S={s:.2f}")
     if points is not None:
+        # measured endpoints: colour = sparsity, marker = architecture (when the table names it)
+        archs = points["arch"].astype(str) if "arch" in points.columns else None
+        markers = {name: marker for name, marker in zip(sorted(laws), ("o", "x", "^", "s"))}
         for s, colour in zip(sparsities, colours):
             near = np.abs(points["S"].to_numpy(float) - s) < 0.02
-            x, y = _finite(points["F"][near] * points["D"][near], points["loss"][near])
-            ax.scatter(x, y, s=10, color=colour)
+            groups = [(None, near)] if archs is None else [
+                (name, near & (archs == name).to_numpy()) for name in sorted(laws)]
+            for name, keep in groups:
+                x, y = _finite(points["F"][keep] * points["D"][keep], points["loss"][keep])
+                if x.size:
+                    ax.scatter(x, y, s=14, color=colour, marker=markers.get(name, "o"))
     _note_missing(ax, missing)
     ax.set_xscale("log")
     ax.set_xlabel("training compute C = F D (FLOPs)")
