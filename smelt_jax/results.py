@@ -9,6 +9,12 @@ The parquet file is the source of truth; the CSV is rewritten from it on every a
 `rewrite_csv` (which `smelt results collect` calls), so a damaged or stale CSV never outlives a collect.
 The files get the permissions of any new file (0666 less the umask: group-readable under the usual
 022 umask), not mkstemp's private 0600.
+
+A folder on Cloud Storage (`gs://...`, through `smelt_jax.data.gcs`) has no file lock: an append reads
+the table object, replaces the row and writes the parquet and CSV objects whole (each object write is
+atomic, so a reader never sees half a table). Two endpoints appending at the same instant can lose one
+row (the later write wins); every endpoint also writes its row to its `endpoint.json`, from which
+`smelt results collect` rebuilds the table.
 """
 
 from __future__ import annotations
@@ -97,9 +103,11 @@ def git_commit(repo: str | os.PathLike | None = None) -> str:
     return head + ("-dirty" if dirty else "")
 
 
-def default_results_dir() -> Path:
-    """$SMELT_RESULTS_DIR if set, else `results/` at the repository root."""
+def default_results_dir() -> Path | str:
+    """$SMELT_RESULTS_DIR if set (a gs:// URL stays a string), else `results/` at the repository root."""
     env = os.environ.get("SMELT_RESULTS_DIR")
+    if env and _is_gcs(env):
+        return env.rstrip("/")
     return Path(env) if env else Path(__file__).resolve().parents[1] / "results"
 
 
@@ -142,7 +150,42 @@ def _order_columns(frame: pd.DataFrame) -> pd.DataFrame:
     return frame[[c for c in FIXED_COLUMNS if c in frame.columns] + losses + others]
 
 
+def _is_gcs(folder) -> bool:
+    return str(folder).startswith("gs://")
+
+
+def _folder(folder) -> Path | str:
+    """A local folder as a Path; a gs:// folder as its URL (a Path would mangle the `//`)."""
+    if folder is None:
+        return default_results_dir()
+    return str(folder).rstrip("/") if _is_gcs(folder) else Path(folder)
+
+
+def _read_gcs_table(folder: str) -> pd.DataFrame:
+    import io
+
+    from smelt_jax.data import gcs
+    try:
+        data = gcs.read_bytes(f"{folder}/{TABLE_NAME}")
+    except FileNotFoundError:
+        return pd.DataFrame(columns=list(FIXED_COLUMNS))
+    return pd.read_parquet(io.BytesIO(data))
+
+
+def _write_gcs_table(folder: str, table: pd.DataFrame, parquet: bool = True) -> None:
+    import io
+
+    from smelt_jax.data import gcs
+    if parquet:
+        buffer = io.BytesIO()
+        table.to_parquet(buffer, index=False)
+        gcs.write_bytes(f"{folder}/{TABLE_NAME}", buffer.getvalue())
+    gcs.write_text(f"{folder}/{CSV_NAME}", table.to_csv(index=False))
+
+
 def _read_table(folder: Path) -> pd.DataFrame:
+    if _is_gcs(folder):
+        return _read_gcs_table(str(folder))
     path = folder / TABLE_NAME
     if not path.exists():
         return pd.DataFrame(columns=list(FIXED_COLUMNS))
@@ -151,18 +194,25 @@ def _read_table(folder: Path) -> pd.DataFrame:
 
 def append_result(result: EndpointResult, folder: str | os.PathLike | None = None) -> pd.DataFrame:
     """Add (or replace, by run_id and branch) `result`'s row; return the whole table as written."""
-    folder = Path(folder) if folder is not None else default_results_dir()
+    folder = _folder(folder)
     row = result.to_row()
     if not row["time"]:
         row["time"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    with _locked(folder, exclusive=True):
-        table = _read_table(folder)
+
+    def updated(table: pd.DataFrame) -> pd.DataFrame:
         if len(table):
             same = (table["run_id"] == row["run_id"]) & (table["branch"] == row["branch"])
             table = table[~same]
         new = pd.DataFrame([row])
         table = new if not len(table) else pd.concat([table, new], ignore_index=True)
-        table = _order_columns(table).sort_values(list(KEY), kind="stable").reset_index(drop=True)
+        return _order_columns(table).sort_values(list(KEY), kind="stable").reset_index(drop=True)
+
+    if _is_gcs(folder):  # no lock on a bucket (module docstring)
+        table = updated(_read_gcs_table(folder))
+        _write_gcs_table(folder, table)
+        return table
+    with _locked(folder, exclusive=True):
+        table = updated(_read_table(folder))
         _replace_atomically(folder / TABLE_NAME, lambda p: table.to_parquet(p, index=False))
         _replace_atomically(folder / CSV_NAME, lambda p: table.to_csv(p, index=False))
     return table
@@ -170,7 +220,13 @@ def append_result(result: EndpointResult, folder: str | os.PathLike | None = Non
 
 def rewrite_csv(folder: str | os.PathLike | None = None) -> bool:
     """Rewrite results.csv from results.parquet (the source of truth); False if there is no table."""
-    folder = Path(folder) if folder is not None else default_results_dir()
+    folder = _folder(folder)
+    if _is_gcs(folder):
+        from smelt_jax.data import gcs
+        if not gcs.exists(f"{folder}/{TABLE_NAME}"):
+            return False
+        _write_gcs_table(folder, _read_gcs_table(folder), parquet=False)
+        return True
     if not (folder / TABLE_NAME).exists():
         return False
     with _locked(folder, exclusive=True):
@@ -181,7 +237,9 @@ def rewrite_csv(folder: str | os.PathLike | None = None) -> bool:
 
 def read_results(folder: str | os.PathLike | None = None) -> pd.DataFrame:
     """The results table (one row per endpoint, sorted by run_id, branch); empty if none yet."""
-    folder = Path(folder) if folder is not None else default_results_dir()
+    folder = _folder(folder)
+    if _is_gcs(folder):
+        return _read_gcs_table(folder)
     if not (folder / TABLE_NAME).exists():
         return pd.DataFrame(columns=list(FIXED_COLUMNS))
     with _locked(folder, exclusive=False):

@@ -16,8 +16,10 @@
 The runs root is `$SMELT_RUNS_DIR`, else `runs/` in the current directory. It may be a bucket
 (`gs://BUCKET/...`): paths under it are then `etils.epath.Path`s (see `as_path`), and the trainer
 writes run.json, metrics.jsonl, TensorBoard files, profiles, endpoint.json and the results table there
-through `smelt_jax.data.gcs` (tensorstore). Checkpoints and the trainer lock on gs:// are not
-implemented yet (the trainer stops with a one-line error before writing anything).
+through `smelt_jax.data.gcs` (tensorstore); orbax writes the checkpoints there itself (through
+etils.epath and gcsfs). On gs:// orbax writes a step in place and commits it with
+`<step>/commit_success.txt` (no temporary folder, no rename), and the trainer records no checksums
+(Cloud Storage checks each object's CRC32C itself): a committed step is one with that file.
 """
 
 from __future__ import annotations
@@ -96,9 +98,24 @@ def results_path(suite: str, root: Path | None = None) -> Path:
     return results_dir(suite, root) / "results.parquet"
 
 
+GCS_COMMIT_FILE = "commit_success.txt"  # orbax's commit marker of a step on Cloud Storage
+
+
+def _remote_files(checkpoint_dir) -> list[str]:
+    """Paths relative to a gs:// checkpoint folder of every object under it."""
+    from smelt_jax.data import gcs
+    base = str(checkpoint_dir).rstrip("/") + "/"
+    return [url[len(base):] for url in gcs.list_files(base)]
+
+
 def committed_steps(checkpoint_dir: Path) -> list[int]:
     """Steps whose checkpoint is committed: orbax renames its temporary folder to `<step>` only
-    once every file is written, so a plain integer folder name means committed."""
+    once every file is written, so a plain integer folder name means committed (on gs://: a
+    `<step>/commit_success.txt`)."""
+    if is_remote(checkpoint_dir):
+        return sorted({int(name.split("/")[0]) for name in _remote_files(checkpoint_dir)
+                       if name.count("/") == 1 and name.endswith("/" + GCS_COMMIT_FILE)
+                       and name.split("/")[0].isdigit()})
     if not checkpoint_dir.is_dir():
         return []
     return sorted(int(p.name) for p in checkpoint_dir.iterdir()
@@ -110,14 +127,19 @@ def checkpoint_committed(checkpoint_dir: Path, step: int) -> bool:
 
 
 def temporary_checkpoints(checkpoint_dir: Path) -> list[Path]:
-    """Orbax's temporary folders (`<step>.orbax-checkpoint-tmp*`): saves that never committed."""
-    if not checkpoint_dir.is_dir():
+    """Orbax's temporary folders (`<step>.orbax-checkpoint-tmp*`): saves that never committed (none
+    on gs://, where orbax writes in place)."""
+    if is_remote(checkpoint_dir) or not checkpoint_dir.is_dir():
         return []
     return sorted(p for p in checkpoint_dir.iterdir() if _ORBAX_TMP.search(p.name))
 
 
 def damaged_checkpoints(checkpoint_dir: Path) -> list[Path]:
     """Checkpoints the trainer moved aside (`<step>.damaged[.n]`)."""
+    if is_remote(checkpoint_dir):
+        return sorted({as_path(str(checkpoint_dir).rstrip("/") + "/" + name.split("/")[0])
+                       for name in _remote_files(checkpoint_dir)
+                       if DAMAGED_SUFFIX in name.split("/")[0]}, key=str)
     if not checkpoint_dir.is_dir():
         return []
     return sorted(p for p in checkpoint_dir.iterdir() if DAMAGED_SUFFIX in p.name)
@@ -125,7 +147,9 @@ def damaged_checkpoints(checkpoint_dir: Path) -> list[Path]:
 
 def recorded_files(step_dir: Path) -> dict[str, dict] | None:
     """{relative path: {"sha256", "size" (None in old files)}} from a step's checksum file; None
-    when the step has none (not sealed) or it cannot be read."""
+    when the step has none (not sealed) or it cannot be read (always on gs://: not sealed)."""
+    if is_remote(step_dir):
+        return None
     try:
         data = json.loads((step_dir / CHECKSUM_FILE).read_text())
     except (OSError, ValueError):
@@ -141,6 +165,8 @@ def checkpoint_damage(checkpoint_dir: Path, step: int) -> str | None:
     """Why the committed checkpoint at `step` is damaged, or None if it looks whole. Cheap (no file is
     read): orbax's commit file must exist, and every file the checksum file records must exist with its
     recorded size. The trainer also compares sha256 digests before restoring."""
+    if is_remote(checkpoint_dir):  # no checksums on gs:// (rundir docstring): committed or missing
+        return None if step in committed_steps(checkpoint_dir) else "missing"
     step_dir = checkpoint_dir / str(step)
     if not step_dir.is_dir():
         return "missing"

@@ -211,7 +211,7 @@ def cmd_train(args) -> int:
     except NonFiniteLoss as err:
         print(f"smelt: error: {err}", file=sys.stderr)
         return NONFINITE_EXIT_CODE
-    except (LockHeld, LockLost, CheckpointSaveError) as err:
+    except (LockHeld, LockLost, CheckpointSaveError, NotImplementedError) as err:
         raise CliError(str(err)) from None
     print(json.dumps({k: v for k, v in summary.items() if k != "endpoint"}))
     return 0

@@ -5,8 +5,10 @@ the suite's store; a process killed between the two leaves an endpoint without i
 appends every such row, so no endpoint is lost and none is trained twice. Appends replace rows of the
 same (run_id, branch), so collecting twice changes nothing.
 
-Run folders may be local or on a bucket (gs://, read through gcsfs when it is installed); the rows go
-to the local results store of each suite.
+Run folders may be local or on a bucket (gs://, read directly through `smelt_jax.data.gcs`, i.e.
+tensorstore: no gcsfs needed); the rows go to the results store of each suite under `store_root`
+(default: the runs root, which may itself be the bucket). Collecting from a bucket lists every object
+under the suite's prefix (checkpoint files included) and reads the `endpoint.json` ones.
 """
 
 from __future__ import annotations
@@ -62,17 +64,25 @@ def collect_suite(suite: str, root: Path | None = None) -> CollectReport:
     return CollectReport(suite, len(files), _append_missing(suite, rows, root))
 
 
+def _bucket_endpoints(root: str, suite: str | None = None) -> list[str]:
+    """URLs of the endpoint.json files under `root` (one suite, or all of them)."""
+    import fnmatch
+
+    from smelt_jax.data import gcs
+    base = root.rstrip("/") + "/"
+    prefix = base + suite if suite else root.rstrip("/")
+    pattern = ENDPOINT_GLOB if suite else "*/" + ENDPOINT_GLOB
+    found = []
+    for url in gcs.list_files(prefix):
+        relative = url[len(prefix) + 1:] if suite else url[len(base):]
+        if fnmatch.fnmatchcase(relative, pattern) and relative.count("/") == pattern.count("/"):
+            found.append(url)
+    return sorted(found)
+
+
 def _bucket_rows(root: str, suite: str) -> list[dict]:
-    try:
-        import fsspec
-        import gcsfs  # noqa: F401  (registers gs:// with fsspec)
-    except ImportError as err:
-        raise RuntimeError(f"reading {root} needs gcsfs (`pip install gcsfs`), which is not installed; "
-                           "or copy the endpoints locally first: gcloud storage rsync -r "
-                           f"{root}/{suite} runs/{suite} --exclude='.*/checkpoints/.*' and pass --root runs"
-                           ) from err
-    fs, base = fsspec.core.url_to_fs(f"{root.rstrip('/')}/{suite}")
-    return [json.loads(fs.cat(path)) for path in sorted(fs.glob(f"{base}/{ENDPOINT_GLOB}"))]
+    from smelt_jax.data import gcs
+    return [json.loads(gcs.read_text(url)) for url in _bucket_endpoints(root, suite)]
 
 
 def collect(root: str | Path | None = None, suites: list[str] | None = None,
@@ -82,9 +92,10 @@ def collect(root: str | Path | None = None, suites: list[str] | None = None,
     root_text = str(root) if root is not None else str(runs_root())
     if root_text.startswith("gs://"):
         if not suites:
-            raise ValueError("collecting from a bucket needs --suite (listing a bucket's suites is "
-                             "not supported)")
-        store = Path(store_root) if store_root is not None else runs_root()
+            base = root_text.rstrip("/") + "/"
+            suites = sorted({url[len(base):].split("/", 1)[0] for url in _bucket_endpoints(root_text)})
+        from smelt_jax.rundir import as_path
+        store = as_path(store_root) if store_root is not None else runs_root()
         reports = []
         for suite in suites:
             rows = _bucket_rows(root_text, suite)

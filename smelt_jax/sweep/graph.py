@@ -29,7 +29,14 @@ from pathlib import Path
 
 from smelt_jax.config import content_hash
 from smelt_jax.descriptors import RunSpec
-from smelt_jax.rundir import checkpoint_damage, committed_steps, results_dir, run_dir, runs_root
+from smelt_jax.rundir import (
+    as_path,
+    checkpoint_damage,
+    committed_steps,
+    results_dir,
+    run_dir,
+    runs_root,
+)
 
 # JobSet names child Jobs `<jobset>-<replicated job>-<index>` and Pods add `-<index>-<5 chars>`, all
 # within 63 characters; xpk also caps workload names. 40 leaves room for both.
@@ -165,11 +172,22 @@ def endpoint_key(row: dict) -> tuple:
     return tuple(row[k] for k in KEY)
 
 
+def _file_exists(path) -> bool:
+    if str(path).startswith("gs://"):
+        from smelt_jax.data import gcs
+        return gcs.exists(str(path))
+    return path.exists()
+
+
 def stored_endpoint_keys(suite: str, root: Path) -> set[tuple]:
     """The (run_id, branch) of every row in the suite's results store (empty if none yet)."""
     from smelt_jax.results import KEY, TABLE_NAME, read_results
     folder = results_dir(suite, root)
-    if not (folder / TABLE_NAME).exists():
+    if str(folder).startswith("gs://"):
+        from smelt_jax.data import gcs
+        if not gcs.exists(f"{folder}/{TABLE_NAME}"):
+            return set()
+    elif not (folder / TABLE_NAME).exists():
         return set()
     table = read_results(folder)
     return {tuple(int(v) if k == "branch" else v for k, v in zip(KEY, values))
@@ -180,7 +198,7 @@ def artifact_statuses(graph: JobGraph, root: Path | None = None,
                       known_done: frozenset[str] = frozenset()) -> dict[str, JobStatus]:
     """PENDING / READY / DAMAGED / DONE for every job, from the files under the runs root alone.
     Jobs in `known_done` are not checked again (artifacts are never removed during a sweep)."""
-    root = Path(root) if root is not None else runs_root()
+    root = as_path(root) if root is not None else runs_root()  # a gs:// root is read directly
     stored: set[tuple] | None = None  # read once, and only if some endpoint exists
     out: dict[str, JobStatus] = {}
     good_cache: dict[str, set[int]] = {}
@@ -199,7 +217,7 @@ def artifact_statuses(graph: JobGraph, root: Path | None = None,
         if job.is_stable:
             continue
         endpoint = rdir.endpoint(job.branch)
-        if endpoint.exists():
+        if _file_exists(endpoint):
             if stored is None:
                 stored = stored_endpoint_keys(graph.suite, root)
             if (job.run.id, job.branch) in stored:

@@ -18,6 +18,10 @@ With `quarantine=True` (the trainer, which holds the phase's lock) a damaged ste
 deleted: renamed `<step>.damaged` and reported, so the run resumes from the last good step and can save
 that step again.
 
+On Cloud Storage (a gs:// directory) orbax writes a step in place and commits it with
+`<step>/commit_success.txt`; no checksum file is written (Cloud Storage checks each object's CRC32C),
+so damage shows as a failed restore, and moving a step aside copies its objects then deletes them.
+
 Failed saves: a save runs in the background; `raise_if_save_failed()` (called by the trainer after every
 step) turns a failed one into a `CheckpointSaveError` naming the step, the cause and the newest good
 step. The temporary folder a failed or killed save leaves (`<step>.orbax-checkpoint-tmp*`) is removed
@@ -44,10 +48,25 @@ from orbax.checkpoint import checkpoint_managers
 from smelt_jax.rundir import (
     CHECKSUM_FILE,
     DAMAGED_SUFFIX,
+    as_path,
     checkpoint_damage,
+    damaged_checkpoints,
+    is_remote,
     recorded_files,
     temporary_checkpoints,
 )
+
+
+def _move_objects(source: str, target: str) -> None:
+    """gs://: move every object under `source/` to `target/` (copy, then delete: no rename on Cloud
+    Storage). The commit file goes first, so a move cut short leaves an uncommitted step behind."""
+    from smelt_jax.data import gcs
+    files = gcs.list_files(source)
+    files.sort(key=lambda url: not url.endswith("/commit_success.txt"))
+    for url in files:
+        gcs.write_bytes(target + url[len(source):], gcs.read_bytes(url))
+    for url in files:
+        gcs.delete(url)
 
 
 class CheckpointError(RuntimeError):
@@ -118,7 +137,10 @@ class Checkpointer:
         phase's single writer, holding its lock, may do this)."""
         if max_to_keep < 1:
             raise ValueError(f"max_to_keep must be >= 1, got {max_to_keep}")
-        self.directory = Path(directory).absolute()
+        # gs://: orbax gets the URL itself (never made absolute: it would become ./gs:/...) and
+        # reaches the bucket through etils.epath (gcsfs); steps are not sealed with checksums there.
+        self.remote = is_remote(directory)
+        self.directory = as_path(directory) if self.remote else Path(directory).absolute()
         self.keep_forever = frozenset(int(s) for s in keep_forever)
         self.removed_temporary: list[str] = []
         if clean_temporary and jax.process_index() == 0:
@@ -202,6 +224,9 @@ class Checkpointer:
         if not self._unsealed:
             return
         self._wait_for_saves()  # the previous async save must be done before sealing
+        if self.remote:  # gs://: Cloud Storage checks each object's CRC32C itself
+            self._unsealed.clear()
+            return
         if jax.process_index() == 0:  # one writer per (shared) checkpoint folder
             for step in self._unsealed:
                 step_dir = self.directory / str(step)
@@ -267,11 +292,15 @@ class Checkpointer:
         """Move the damaged `step` aside (`<step>.damaged`, never deleted) and report it."""
         source = self.directory / str(step)
         target = self.directory / f"{step}{DAMAGED_SUFFIX}"
+        taken = ({p.name for p in damaged_checkpoints(self.directory)} if self.remote else None)
         n = 1
-        while target.exists():
+        while target.name in taken if self.remote else target.exists():
             target = self.directory / f"{step}{DAMAGED_SUFFIX}.{n}"
             n += 1
-        os.rename(source, target)
+        if self.remote:
+            _move_objects(str(source), str(target))
+        else:
+            os.rename(source, target)
         self._manager.reload()
         warnings.warn(f"checkpoint at step {step} in {self.directory} is damaged ({reason}); moved "
                       f"aside to {target.name}", CheckpointCorruptionWarning, stacklevel=3)

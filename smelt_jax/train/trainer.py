@@ -106,7 +106,18 @@ def peak_flops_per_device() -> tuple[float, str]:
     return 2 * 1024 ** 3 / float(np.median(times)), f"measured 1024^2 f32 matmul on {kind}"
 
 
+def _exists(path) -> bool:
+    """Whether a file exists, local or gs://."""
+    from smelt_jax.data import gcs
+    return gcs.exists(str(path)) if gcs.is_gcs(path) else Path(path).exists()
+
+
 def _write_json_atomically(path: Path, data: Any) -> None:
+    """Local: a temporary file renamed into place; gs://: one object write (atomic on its own)."""
+    from smelt_jax.data import gcs
+    if gcs.is_gcs(path):
+        gcs.write_text(str(path), json.dumps(data, indent=1, sort_keys=True))
+        return
     path.parent.mkdir(parents=True, exist_ok=True)
     temp = path.with_suffix(path.suffix + ".tmp")
     temp.write_text(json.dumps(data, indent=1, sort_keys=True))
@@ -117,9 +128,10 @@ def enable_compilation_cache() -> None:
     """Persist compiled programs across processes ($SMELT_XLA_CACHE, default data_cache/xla): the
     decay branches and resumed runs of a sweep recompile the same train step."""
     from smelt_jax.data.corpus import default_data_dir
-    folder = Path(os.environ.get("SMELT_XLA_CACHE", default_data_dir() / "xla"))
-    folder.mkdir(parents=True, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", str(folder))
+    folder = os.environ.get("SMELT_XLA_CACHE") or str(default_data_dir() / "xla")
+    if not folder.startswith("gs://"):  # a gs:// cache is written by jax itself (through etils.epath)
+        Path(folder).mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", folder)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
@@ -286,7 +298,7 @@ def _stable_holes(rd: RunDir, schedule, good: list[int]) -> list[int]:
     if not good:
         return []
     return [f for k, f in enumerate(schedule.fork_steps)
-            if f < good[-1] and f not in good and not rd.endpoint(k).exists()]
+            if f < good[-1] and f not in good and not _exists(rd.endpoint(k))]
 
 
 def _restore_fork(rd: RunDir, run: RunSpec, branch: int, first: int, state: Any) -> tuple[int, Any]:
@@ -327,7 +339,7 @@ def _train_phase(run: RunSpec, branch: int | None, rd: RunDir, root: Path | None
         cfg = cfg.replace(remat=parallelism.remat)
     first, end = lr_lib.phase_steps(schedule, branch)
     is_writer = jax.process_index() == 0
-    if is_writer and not rd.spec_file.exists():
+    if is_writer and not _exists(rd.spec_file):
         _write_json_atomically(rd.spec_file, {**run.to_dict(), "metadata": _metadata()})
     from smelt_jax.train.checkpoint import Checkpointer, CheckpointError
 
@@ -384,7 +396,7 @@ def _train_phase(run: RunSpec, branch: int | None, rd: RunDir, root: Path | None
         except Exception:
             ckpt.close()
             raise
-    if step >= end and (branch is None or rd.endpoint(branch).exists()):
+    if step >= end and (branch is None or _exists(rd.endpoint(branch))):
         ckpt.close()
         return {"run_id": run.id, "branch": branch, "step": step, "status": "done"}
     if any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(state)):

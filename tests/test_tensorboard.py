@@ -1,0 +1,125 @@
+"""TensorBoard event files and profiler traces of a training phase, read back with TensorBoard's own
+reader (`tensorboard` is a test-only dependency; the trainer writes the event protocol itself)."""
+
+import math
+import shutil
+import struct
+import warnings
+
+import pytest
+
+from smelt_jax.cli.train import parse_profile
+from smelt_jax.data import gcs
+from smelt_jax.rundir import run_dir
+from smelt_jax.train import tensorboard as tb
+from smelt_jax.train.metrics_log import latest_per_step, read_metrics
+from smelt_jax.train.trainer import Preempted, TrainOptions, train
+from tests.data_helpers import build_tiny_corpus
+from tests.test_trainer import OPTIONS, _run
+
+event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return build_tiny_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+def _load(folder) -> event_accumulator.EventAccumulator:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        acc = event_accumulator.EventAccumulator(str(folder), size_guidance={"scalars": 0})
+        acc.Reload()
+    return acc
+
+
+def _series(acc, tag) -> dict[int, float]:
+    return {event.step: event.value for event in acc.Scalars(tag)}
+
+
+def _close(a: float, b: float) -> bool:
+    return math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-30) or float(struct.unpack(
+        "<f", struct.pack("<f", b))[0]) == a
+
+
+def test_event_protocol_reads_back_with_tensorboard(tmp_path):
+    with tb.EventWriter(tmp_path) as writer:
+        writer.write({"step": 1, "loss": 2.5, "lr": 1e-3, "time": 5.0, "peak_flops_source": "x",
+                      "bad": float("nan")})
+        writer.write({"step": 2, "eval": {"web": 3.25, "overall": 3.0}})
+    acc = _load(tmp_path)
+    assert set(acc.Tags()["scalars"]) == {"train/loss", "train/lr", "eval/web", "eval/overall"}
+    assert _series(acc, "train/loss") == {1: 2.5}
+    assert _close(_series(acc, "train/lr")[1], 1e-3)
+    assert _series(acc, "eval/web") == {2: 3.25}
+    assert acc.Scalars("train/loss")[0].wall_time == 5.0
+
+
+def test_resumed_phase_event_files_match_metrics_jsonl(tmp_path, corpus):
+    """A stable phase stopped at step 5 (its checkpoint) and resumed, then a decay branch: TensorBoard's
+    curves are metrics.jsonl's, the steps logged twice shown once (the resumed values)."""
+    run = _run()
+    with pytest.raises(Preempted):
+        train(run, root=tmp_path, corpus=corpus,
+              options=TrainOptions(**{**OPTIONS.__dict__, "stop_after": 5}))
+    rd = run_dir(run.suite, run.id, tmp_path)
+    # As if killed before the save at step 5 committed: the resumed run logs step 5 again.
+    shutil.rmtree(rd.checkpoints(None) / "5")
+    first_run = {r["step"]: r for r in read_metrics(rd.metrics(None))}
+    train(run, root=tmp_path, corpus=corpus, options=OPTIONS)
+    relogged = [r for r in read_metrics(rd.metrics(None)) if r.get("step") == 5]
+    assert len(relogged) == 2 and relogged[1]["tokens_per_s"] != first_run[5]["tokens_per_s"]
+    train(run, 0, root=tmp_path, corpus=corpus, options=OPTIONS)
+    for branch in (None, 0):
+        records = read_metrics(rd.metrics(branch))
+        acc = _load(rd.tensorboard(branch))
+        tags = set(acc.Tags()["scalars"])
+        for key in ("loss", "ce", "lr", "grad_norm", "tokens_per_s", "mfu", "expert_max_over_mean",
+                    "expert_dropped_fraction", "load_balance_loss", "tokens"):
+            assert f"train/{key}" in tags, key
+            want = {r["step"]: r[key] for r in latest_per_step(records)}
+            got = _series(acc, f"train/{key}")
+            assert sorted(got) == sorted(want), (branch, key)
+            assert len(acc.Scalars(f"train/{key}")) == len(want)  # a step logged twice shows once
+            assert all(_close(got[s], want[s]) for s in want), (branch, key, got, want)
+    evals = [r for r in read_metrics(rd.metrics(0)) if "eval" in r]
+    assert evals and evals[-1]["eval"]["overall"] > 0
+    acc = _load(rd.tensorboard(0))
+    for source, value in evals[-1]["eval"].items():
+        assert _close(_series(acc, f"eval/{source}")[evals[-1]["step"]], value), source
+    # Two trainer processes (stopped, resumed) wrote two files; TensorBoard shows the first one's
+    # steps 1-4 and the resumed one's from step 5 on (tokens_per_s above differs at step 5).
+    assert len(gcs.list_files(rd.tensorboard(None))) == 2
+
+
+def test_smelt_train_profile_writes_a_trace_for_a_three_step_run(tmp_path, corpus, monkeypatch,
+                                                                  capsys):
+    """`smelt train ID --stop-after 3 --profile 1:3`: a jax.profiler trace of steps 1-2 in
+    <phase>/profile/, next to metrics.jsonl and the TensorBoard files."""
+    import experiments
+    import smelt_jax.train.trainer as trainer
+    from smelt_jax.cli import main
+
+    run = _run()
+    monkeypatch.setattr(experiments, "find_run", lambda run_id: run)
+    monkeypatch.setattr(trainer, "_load_corpus", lambda: corpus)
+    monkeypatch.setenv("SMELT_RUNS_DIR", str(tmp_path))
+    assert main(["train", run.id, "--no-progress", "--log-every", "1", "--stop-after", "3",
+                 "--profile", "1:3"]) == 42
+    rd = run_dir(run.suite, run.id, tmp_path)
+    traces = gcs.list_files(rd.profile(None))
+    assert any(f.endswith(".xplane.pb") for f in traces), traces
+    assert len(read_metrics(rd.metrics(None))) == 3 and gcs.list_files(rd.tensorboard(None))
+    capsys.readouterr()
+    assert main(["train", run.id, "--profile", "2:x"]) == 2
+    assert capsys.readouterr().err.startswith("smelt: error: --profile")
+
+
+def test_profile_option_is_checked_before_start():
+    assert parse_profile("2:5") == (2, 5) and parse_profile("3") == 3 and parse_profile(None) is None
+    for bad in ("x", "1:y"):
+        with pytest.raises(ValueError, match="--profile"):
+            parse_profile(bad)
+    for bad in ((5, 2), 0, (1,), True):
+        with pytest.raises(ValueError, match="--profile"):
+            TrainOptions(profile=bad)
