@@ -331,12 +331,12 @@ def test_cli_info_and_errors(tmp_path, capsys):
     from smelt_jax.cli import main
 
     corpus = build_tiny_corpus(tmp_path)
-    assert main(["data", "info", "--dir", str(corpus.folder), "--verify"]) == 0
+    assert main(["data", "info", "--corpus-dir", str(corpus.folder), "--verify"]) == 0
     out = capsys.readouterr().out
     assert "bytes-v1" in out and "checksums verified" in out
     for source in corpus.sources:
         assert f"| {source} |" in out
-    assert main(["data", "info", "--dir", str(tmp_path / "none")]) == 2
+    assert main(["data", "info", "--corpus-dir", str(tmp_path / "none")]) == 2
     assert "no corpus" in capsys.readouterr().err
 
 

@@ -107,7 +107,7 @@ run = run.__class__(**{{**run.__dict__, "schedule": run.schedule.replace(stable_
 experiments.find_run = lambda run_id: run
 trainer._load_corpus = lambda: Corpus({corpus!r})
 from smelt_jax.cli import main
-sys.exit(main(["train", run.id, "--no-progress", "--log-every", "1", "--checkpoint-every", "10"]))
+sys.exit(main(["train", run.id, "--quiet", "--log-every", "1", "--checkpoint-every", "10"]))
 """
 
 
@@ -188,7 +188,7 @@ def _unshare_works() -> bool:
 
 @pytest.mark.skipif(not _unshare_works(), reason="needs unprivileged user and mount namespaces")
 @pytest.mark.parametrize("command", [["train", SMOKE_ID], ["sweep", "submit", "smoke", "--backend",
-                                                            "local", "--no-progress"]])
+                                                            "local", "--quiet"]])
 def test_read_only_runs_root_is_one_line_and_exit_2(tmp_path, command):
     """Issue item 4: `smelt train` and `smelt sweep submit` on a read-only runs root gave an OSError 30
     traceback. A real read-only bind mount in a private mount namespace."""

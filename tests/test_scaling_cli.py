@@ -100,7 +100,7 @@ def test_missing_input_and_bad_gain_args(tmp_path, paper_dir, capsys):
 def test_fits_all_is_deterministic(tmp_path):
     """Two regenerations give byte-identical text outputs (small Chinchilla bootstrap for speed)."""
     for run in ("a", "b"):
-        assert main(["fits-all", "--root", str(tmp_path / run), "--chinchilla-draws", "50"]) == 0
+        assert main(["fits-all", "--fits-dir", str(tmp_path / run), "--chinchilla-draws", "50"]) == 0
     texts = sorted(p.relative_to(tmp_path / "a") for p in (tmp_path / "a").rglob("*")
                    if p.suffix in (".json", ".md", ".csv", ".tex"))
     assert len(texts) >= 12

@@ -104,7 +104,7 @@ def test_smelt_train_profile_writes_a_trace_for_a_three_step_run(tmp_path, corpu
     monkeypatch.setattr(experiments, "find_run", lambda run_id: run)
     monkeypatch.setattr(trainer, "_load_corpus", lambda: corpus)
     monkeypatch.setenv("SMELT_RUNS_DIR", str(tmp_path))
-    assert main(["train", run.id, "--no-progress", "--log-every", "1", "--stop-after", "3",
+    assert main(["train", run.id, "--quiet", "--log-every", "1", "--stop-after", "3",
                  "--profile", "1:3"]) == 42
     rd = run_dir(run.suite, run.id, tmp_path)
     traces = gcs.list_files(rd.profile(None))

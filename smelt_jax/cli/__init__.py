@@ -28,7 +28,19 @@ def build_parser() -> argparse.ArgumentParser:
         module = importlib.import_module(f"{__name__}.{module_info.name}")
         if hasattr(module, "register"):
             module.register(subparsers)
+    _describe_commands(parser)
     return parser
+
+
+def _describe_commands(parser: argparse.ArgumentParser) -> None:
+    """Every command has a description in its --help: its one-line help where none was written."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            helps = {choice.dest: choice.help for choice in action._choices_actions}
+            for name, sub in action.choices.items():
+                if not sub.description and helps.get(name):
+                    sub.description = helps[name][:1].upper() + helps[name][1:] + "."
+                _describe_commands(sub)
 
 
 def main(argv: list[str] | None = None) -> int:

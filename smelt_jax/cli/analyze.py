@@ -11,7 +11,7 @@ def cmd_analyze(args) -> int:
     from smelt_jax.data.token_store import open_dataset
     root = Path(args.runs_dir) if args.runs_dir else None
     loaded = load_model(args.target, args.branch, root=root)
-    tables = analysis_tables(loaded.model, open_dataset(args.corpus), n_tokens=args.tokens,
+    tables = analysis_tables(loaded.model, open_dataset(args.data_dir), n_tokens=args.tokens,
                              seq_len=args.seq_len, batch_size=args.batch_size,
                              attention_rows=args.attention_rows, dyck=not args.no_dyck,
                              dyck_shots=args.dyck_shots, dyck_examples=args.dyck_examples)
@@ -32,11 +32,11 @@ def register(subparsers) -> None:
     p.add_argument("--tokens", type=int, default=8192, help="held-out tokens for the token-level tables")
     p.add_argument("--seq-len", type=int, default=256, help="row length (at most the model's seq_len)")
     p.add_argument("--attention-rows", type=int, default=8, help="rows whose attention maps are kept")
-    p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--dyck-shots", type=int, default=4)
-    p.add_argument("--dyck-examples", type=int, default=16)
+    p.add_argument("--batch-size", type=int, default=4, help="rows per forward pass (default 4)")
+    p.add_argument("--dyck-shots", type=int, default=4, help="Dyck examples in each prompt (default 4)")
+    p.add_argument("--dyck-examples", type=int, default=16, help="Dyck queries scored (default 16)")
     p.add_argument("--no-dyck", action="store_true", help="skip the Dyck-head ablations")
-    p.add_argument("--corpus", help="corpus folder (default: the built-in corpus)")
+    p.add_argument("--data-dir", help="token store or corpus folder (default: the embedded corpus)")
     p.add_argument("--runs-dir", help="runs root (default $SMELT_RUNS_DIR or runs/)")
     p.add_argument("--out", help="output folder")
     p.set_defaults(handler=cmd_analyze)

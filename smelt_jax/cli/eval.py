@@ -44,7 +44,7 @@ def cmd_eval(args) -> int:
     loaded = load_model(args.target, args.branch, root=root)
     from smelt_jax.data.token_store import open_dataset
 
-    corpus = None if args.no_validation else open_dataset(args.corpus)
+    corpus = None if args.no_validation else open_dataset(args.data_dir)
     seq_len = int(loaded.run["schedule"]["seq_len"])
     report = evaluate_model(loaded.model, corpus, seq_len=seq_len, eval_tokens=args.eval_tokens,
                             task_paths=args.tasks or (), dyck_shots=shots, dyck_examples=args.dyck_examples,
@@ -63,7 +63,7 @@ def register(subparsers) -> None:
         "eval", help="validation loss (per source, per document length), Dyck k-shot, task files",
         description="Evaluates a trained checkpoint: the stable run's newest checkpoint, or decay branch "
                     "K's (--branch). TARGET is a run id, a run folder, or a checkpoint folder.")
-    p.add_argument("target", metavar="RUN_ID_OR_CHECKPOINT")
+    p.add_argument("target", metavar="RUN_ID_OR_CHECKPOINT", help="run id (or unique prefix), run folder or checkpoint folder")
     p.add_argument("--branch", type=int, help="decay branch K (default: the stable run)")
     p.add_argument("--tasks", nargs="+", metavar="FILE",
                    help="task files (.jsonl, LM or multiple choice) or registries (.yaml/.json)")
@@ -71,9 +71,9 @@ def register(subparsers) -> None:
     p.add_argument("--dyck-examples", type=int, default=64, help="Dyck queries per shot count")
     p.add_argument("--eval-tokens", type=int, default=16_384, help="validation tokens per source")
     p.add_argument("--no-validation", action="store_true", help="skip the validation loss")
-    p.add_argument("--corpus", help="corpus folder (default: the built-in corpus)")
+    p.add_argument("--data-dir", help="token store or corpus folder (default: the embedded corpus)")
     p.add_argument("--runs-dir", help="runs root (default $SMELT_RUNS_DIR or runs/)")
     p.add_argument("--max-len", type=int, default=4096, help="longest scored text in tokens (left-truncated)")
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--batch-size", type=int, default=8, help="rows per forward pass (default 8)")
     p.add_argument("--json", action="store_true", help="one JSON object instead of tables")
     p.set_defaults(handler=cmd_eval)

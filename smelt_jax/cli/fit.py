@@ -81,7 +81,7 @@ def _tables(args) -> int:
 def _fits_all(args) -> int:
     from smelt_jax.scaling import pipeline
 
-    for path in pipeline.fits_all(args.root, chinchilla_draws=args.chinchilla_draws):
+    for path in pipeline.fits_all(args.fits_dir, chinchilla_draws=args.chinchilla_draws):
         print(path)
     return 0
 
@@ -117,12 +117,12 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("tables", help="markdown/CSV/LaTeX tables and PNG/PDF figures of a fit",
                               description="FITDIR with coefficients.json (one fit) or pair.json (CE gains "
                                           "between two fit subdirectories).")
-    p.add_argument("fit_dir", metavar="FITDIR")
+    p.add_argument("fit_dir", metavar="FITDIR", help="a fit folder (coefficients.json) or a pair folder (pair.json)")
     p.set_defaults(handler=_tables)
 
     p = subparsers.add_parser("fits-all", help="regenerate everything under fits/ deterministically",
                               description="fits/paper (published coefficients -> CE gains, TPP) and "
                                           "fits/chinchilla (Epoch AI replication with bootstrap SEs).")
-    p.add_argument("--root", default="fits", help="output root (default fits/)")
+    p.add_argument("--fits-dir", default="fits", help="output folder (default fits/)")
     p.add_argument("--chinchilla-draws", type=int, default=4000, help="bootstrap draws for the Chinchilla SEs")
     p.set_defaults(handler=_fits_all)

@@ -26,14 +26,20 @@ def _user_errors(handler):
     return wrapped
 
 
+def _runs_root(value: str | None):
+    """--runs-dir as a path (a gs:// URL stays whole: rundir.as_path), or None for the default."""
+    from smelt_jax.rundir import as_path
+    return as_path(value) if value else None
+
+
 def _backend(args, suite: str):
     from smelt_jax.sweep.base import CloudSettings
-    root = Path(args.root) if args.root else None
+    root = _runs_root(args.runs_dir)
     if args.backend == "local":
         from smelt_jax.sweep.local import DEFAULT_COMMAND, LocalBackend, LocalSettings
         command = tuple(shlex.split(args.command)) if args.command else DEFAULT_COMMAND
         return LocalBackend(LocalSettings(root=root, command=command, parallel=args.parallel,
-                                          progress=not args.no_progress))
+                                          progress=not args.quiet))
     out = Path(args.out) if args.out else Path("sweeps") / suite / args.backend
     overrides = {k: getattr(args, k) for k in ("image", "bucket", "project", "zone", "cluster",
                                                "max_restarts") if getattr(args, k) is not None}
@@ -93,7 +99,7 @@ def cmd_status(args) -> int:
     counts = count_statuses(statuses)
     print(" ".join(f"{status.value}={counts[status.value]}" for status in JobStatus)
           + f"  (of {len(graph.jobs)} jobs)")
-    root = Path(args.root) if args.root else None
+    root = _runs_root(args.runs_dir)
     written, expected = _endpoint_counts(graph, root)
     rows = counts["done"] - sum(statuses[j.name] == JobStatus.DONE for j in graph.jobs if j.is_stable)
     print(f"endpoints: {written} written, {rows} in the results store, {expected} expected")
@@ -122,7 +128,7 @@ def cmd_cancel(args) -> int:
 @_user_errors
 def cmd_collect(args) -> int:
     from smelt_jax.sweep.collect import collect
-    reports = collect(args.root, [args.suite] if args.suite else None)
+    reports = collect(args.runs_dir, [args.suite] if args.suite else None)
     for report in reports:
         print(f"{report.suite}: {report.endpoints} endpoints, {report.appended} rows appended")
     if not reports:
@@ -130,45 +136,70 @@ def cmd_collect(args) -> int:
     return 0
 
 
-def _common(parser, backend_required: bool) -> None:
+_CLOUD_HELP = {
+    "image": "container image (make image push-image IMAGE=...); default "
+             "REGION-docker.pkg.dev/PROJECT/smelt/smelt-jax:TAG, refused by --submit",
+    "bucket": "gs://BUCKET/PATH (runs go to PATH/runs)", "project": "Google Cloud project id",
+    "zone": "zone of the TPU slices",
+    "cluster": "xpk: GKE cluster NAME, or TPU_TYPE=NAME,... (one cluster per slice type)"}
+
+
+def _common(parser, *, backend_required: bool, runs_jobs: bool, submits: bool) -> None:
+    """The flags a sweep verb takes: every verb its own, so that e.g. `plan --submit` is an error.
+    runs_jobs: the local backend's --parallel/--command/--quiet; submits: --submit."""
     parser.add_argument("suite", help="suite name (smelt16, ablations200m, micro, smoke)")
-    parser.add_argument("--backend", choices=BACKENDS, required=backend_required)
-    parser.add_argument("--root", help="local runs root (default $SMELT_RUNS_DIR or ./runs)")
-    local = parser.add_argument_group("local backend")
-    local.add_argument("--parallel", type=int, default=1, help="jobs at a time (default 1)")
-    local.add_argument("--command", help="trainer command instead of `python -m smelt_jax` "
-                                         "(each job appends: train RUN_ID [--branch K])")
-    local.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--backend", choices=BACKENDS, required=backend_required,
+                        help="local, xpk or tpu-vm" + ("" if backend_required else " (default local)"))
+    parser.add_argument("--runs-dir", help="runs root: a local path or gs://... (default $SMELT_RUNS_DIR "
+                                            "or ./runs)")
+    parser.set_defaults(parallel=1, command=None, quiet=True, submit=False)
+    if runs_jobs:
+        local = parser.add_argument_group("local backend")
+        local.add_argument("--parallel", type=int, default=1, help="jobs at a time (default 1)")
+        local.add_argument("--command", help="trainer command instead of `python -m smelt_jax` "
+                                             "(each job appends: train RUN_ID [--branch K])")
+        local.add_argument("--quiet", action="store_true", help="no progress bar")
     cloud = parser.add_argument_group("xpk / tpu-vm backends")
-    cloud.add_argument("--submit", action="store_true",
-                       help="run the commands (default: dry run, write and print them)")
+    if submits:
+        cloud.add_argument("--submit", action="store_true",
+                           help="run the commands (default: dry run, write and print them)")
     cloud.add_argument("--out", help="folder for commands and manifests (default sweeps/SUITE/BACKEND)")
-    for name in ("image", "bucket", "project", "zone", "cluster"):
-        cloud.add_argument(f"--{name}")
-    cloud.add_argument("--max-restarts", type=int, dest="max_restarts")
+    for name, text in _CLOUD_HELP.items():
+        cloud.add_argument(f"--{name}", help=text)
+    cloud.add_argument("--max-restarts", type=int, dest="max_restarts",
+                       help="restarts of a job before it counts as failed")
 
 
 def register(subparsers) -> None:
-    sweep = subparsers.add_parser("sweep", help="plan, submit and monitor a suite's jobs")
+    sweep = subparsers.add_parser("sweep", help="plan, submit and monitor a suite's jobs",
+                                  description="A suite's job graph (a stable job and one job per decay "
+                                              "branch per run) on the local, xpk or tpu-vm backend.")
     verbs = sweep.add_subparsers(dest="verb", metavar="VERB", required=True)
-    plan = verbs.add_parser("plan", help="list the job graph (and a backend's commands)")
-    _common(plan, backend_required=False)
+    plan = verbs.add_parser("plan", help="list the job graph (and a backend's commands)",
+                            description="Lists the jobs and, with --backend, writes the commands.")
+    _common(plan, backend_required=False, runs_jobs=False, submits=False)
     plan.set_defaults(handler=cmd_plan)
-    submit = verbs.add_parser("submit", help="run (local) or render/submit (xpk, tpu-vm) the jobs")
-    _common(submit, backend_required=True)
+    submit = verbs.add_parser("submit", help="run (local) or render/submit (xpk, tpu-vm) the jobs",
+                              description="local: trains every ready job here, resuming. xpk/tpu-vm: "
+                                          "writes the commands; --submit runs them for the ready jobs.")
+    _common(submit, backend_required=True, runs_jobs=True, submits=True)
     submit.set_defaults(handler=cmd_submit)
-    status = verbs.add_parser("status", help="pending/ready/running/done/failed counts")
-    _common(status, backend_required=False)
+    status = verbs.add_parser("status", help="pending/ready/running/done/failed counts",
+                              description="Job statuses read from the runs root, and endpoint counts.")
+    _common(status, backend_required=False, runs_jobs=False, submits=False)
     status.add_argument("--all", action="store_true", help="one line per job")
     status.set_defaults(handler=cmd_status, backend="local")
-    cancel = verbs.add_parser("cancel", help="stop a local sweep, or delete cloud jobs")
-    _common(cancel, backend_required=True)
+    cancel = verbs.add_parser("cancel", help="stop a local sweep, or delete cloud jobs",
+                              description="local: stops the running sweep (its trainers save first). "
+                                          "xpk/tpu-vm: prints (or with --submit runs) the deletions.")
+    _common(cancel, backend_required=True, runs_jobs=False, submits=True)
     cancel.add_argument("--job", action="append", help="job name (repeatable; cloud backends)")
     cancel.set_defaults(handler=cmd_cancel)
 
-    results = subparsers.add_parser("results", help="the results store")
+    results = subparsers.add_parser("results", help="the results store",
+                                    description="One row per finished endpoint, per suite.")
     results_verbs = results.add_subparsers(dest="verb", metavar="VERB", required=True)
     collect = results_verbs.add_parser("collect", help="append endpoint rows missing from the store")
     collect.add_argument("--suite", help="only this suite (required for gs:// roots)")
-    collect.add_argument("--root", help="runs root: a local path or gs://... (default $SMELT_RUNS_DIR or ./runs)")
+    collect.add_argument("--runs-dir", help="runs root: a local path or gs://... (default $SMELT_RUNS_DIR or ./runs)")
     collect.set_defaults(handler=cmd_collect)

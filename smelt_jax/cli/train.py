@@ -170,7 +170,7 @@ def cmd_train(args) -> int:
     from smelt_jax.train.trainer import TrainOptions
     options = TrainOptions(log_every=args.log_every, checkpoint_every=args.checkpoint_every,
                            eval_every=args.eval_every, stop_after=args.stop_after,
-                           progress=not args.no_progress, profile=parse_profile(args.profile),
+                           progress=not args.quiet, profile=parse_profile(args.profile),
                            tensorboard=not args.no_tensorboard)
     import experiments
     run = apply_overrides(experiments.find_run(args.id), args.override or [])
@@ -194,6 +194,8 @@ def cmd_train(args) -> int:
         Preempted,
         train,
     )
+    from smelt_jax.rundir import as_path
+
     corpus = None
     if args.data_dir:
         from smelt_jax.data.token_store import open_dataset
@@ -204,7 +206,8 @@ def cmd_train(args) -> int:
     _quiet_closed_loops()
     try:
         with one_line_warnings():
-            summary = train(run, args.branch, options=options, parallelism=parallelism, corpus=corpus)
+            summary = train(run, args.branch, root=as_path(args.runs_dir) if args.runs_dir else None,
+                            options=options, parallelism=parallelism, corpus=corpus)
     except Preempted as err:
         print(f"smelt: {err}", file=sys.stderr)
         return PREEMPTED_EXIT_CODE
@@ -226,6 +229,7 @@ def register(subparsers) -> None:
     p.add_argument("--branch", type=int, help="decay branch index (forks at schedule.fork_steps[K])")
     p.add_argument("--override", action="append", metavar="KEY=VALUE",
                    help="change a model or schedule field (the run id changes with it)")
+    p.add_argument("--runs-dir", help="runs root: a local path or gs://... (default $SMELT_RUNS_DIR or ./runs)")
     p.add_argument("--data-dir", help="token store (smelt data prepare; local or gs://) or corpus folder "
                                        "(default: the embedded corpus)")
     p.add_argument("--log-every", type=int, default=10, help="log metrics every N steps (default 10)")
@@ -233,7 +237,7 @@ def register(subparsers) -> None:
                    help="save a checkpoint every N steps (default 100; fork steps are always saved)")
     p.add_argument("--eval-every", type=int, default=0, help="0: at the end of the phase only")
     p.add_argument("--stop-after", type=int, help="save and exit 42 after this many steps")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--profile", metavar="STEPS|START:STOP",
                    help="write a jax.profiler trace into <phase>/profile/: of the STEPS steps after "
                         "the first one this process runs (it compiles), or of steps START..STOP-1")
