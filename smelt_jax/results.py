@@ -103,14 +103,6 @@ def git_commit(repo: str | os.PathLike | None = None) -> str:
     return head + ("-dirty" if dirty else "")
 
 
-def default_results_dir() -> Path | str:
-    """$SMELT_RESULTS_DIR if set (a gs:// URL stays a string), else `results/` at the repository root."""
-    env = os.environ.get("SMELT_RESULTS_DIR")
-    if env and _is_gcs(env):
-        return env.rstrip("/")
-    return Path(env) if env else Path(__file__).resolve().parents[1] / "results"
-
-
 @contextlib.contextmanager
 def _locked(folder: Path, exclusive: bool) -> Iterator[None]:
     folder.mkdir(parents=True, exist_ok=True)
@@ -155,9 +147,8 @@ def _is_gcs(folder) -> bool:
 
 
 def _folder(folder) -> Path | str:
-    """A local folder as a Path; a gs:// folder as its URL (a Path would mangle the `//`)."""
-    if folder is None:
-        return default_results_dir()
+    """A local folder as a Path; a gs:// folder as its URL (a Path would mangle the `//`). The folder of
+    a suite's store is `rundir.results_dir(suite, root)`: there is no other default."""
     return str(folder).rstrip("/") if _is_gcs(folder) else Path(folder)
 
 
@@ -192,7 +183,7 @@ def _read_table(folder: Path) -> pd.DataFrame:
     return pd.read_parquet(path)
 
 
-def append_result(result: EndpointResult, folder: str | os.PathLike | None = None) -> pd.DataFrame:
+def append_result(result: EndpointResult, folder: str | os.PathLike) -> pd.DataFrame:
     """Add (or replace, by run_id and branch) `result`'s row; return the whole table as written."""
     folder = _folder(folder)
     row = result.to_row()
@@ -218,7 +209,7 @@ def append_result(result: EndpointResult, folder: str | os.PathLike | None = Non
     return table
 
 
-def rewrite_csv(folder: str | os.PathLike | None = None) -> bool:
+def rewrite_csv(folder: str | os.PathLike) -> bool:
     """Rewrite results.csv from results.parquet (the source of truth); False if there is no table."""
     folder = _folder(folder)
     if _is_gcs(folder):
@@ -235,7 +226,7 @@ def rewrite_csv(folder: str | os.PathLike | None = None) -> bool:
     return True
 
 
-def read_results(folder: str | os.PathLike | None = None) -> pd.DataFrame:
+def read_results(folder: str | os.PathLike) -> pd.DataFrame:
     """The results table (one row per endpoint, sorted by run_id, branch); empty if none yet."""
     folder = _folder(folder)
     if _is_gcs(folder):

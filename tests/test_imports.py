@@ -20,6 +20,7 @@ LAYERS: dict[str, int] = {
     "kernels.backend": 0,  # backend names and the one backend decision (the config validates with it)
     "budget": 0,
     "hardware": 0,
+    "paths": 0,
     "platform": 0,
     "sharding": 0,
     "descriptors": 0,

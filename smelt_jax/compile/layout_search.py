@@ -36,10 +36,11 @@ from smelt_jax.compile.report import (
 from smelt_jax.descriptors import Parallelism, RunSpec, content_hash
 from smelt_jax.hardware import parse_slice
 from smelt_jax.parallel.layout import run_key
+from smelt_jax.paths import checkout_root
 
 # Bump when the compiled program or the report's fields change: older cache files are then ignored.
 CACHE_VERSION = 2  # 2: Pallas lane tiles chosen to pad least; HLO kept
-CACHE_DIR = Path(__file__).resolve().parents[2] / "data_cache" / "compile_report"
+CACHE_DIR = checkout_root() / "data_cache" / "compile_report"
 
 # A layout is kept when the compiler accepts it with its peak under HBM (`CompileReport.peak_fits_hbm`)
 # *and* arguments + temporaries (a bound that ignores their live-range overlap, so above the compiler's

@@ -33,6 +33,7 @@ import numpy as np
 from smelt_jax.data.inputs import PINNED_ARCHIVES, Archive, archive_table, fetch_inputs
 from smelt_jax.data.sources import DEFAULT_SOURCES, Roots, SourceSpec, collect_source
 from smelt_jax.data.tokenizer import DEFAULT_TOKENIZER, ByteTokenizer
+from smelt_jax.paths import checkout_root
 
 CORPUS_VERSION = "smelt-default-v2"
 # The digest the default recipe must produce (with the per-file hashes that explain a mismatch).
@@ -90,7 +91,7 @@ class BuildConfig:
 def default_data_dir() -> Path:
     """$SMELT_DATA_DIR if set, else `data_cache/` at the repository root (git-ignored)."""
     env = os.environ.get("SMELT_DATA_DIR")
-    return Path(env) if env else Path(__file__).resolve().parents[2] / "data_cache"
+    return Path(env) if env else checkout_root() / "data_cache"
 
 
 def default_corpus_dir() -> Path:

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from smelt_jax.paths import REFERENCE_DATA
 from smelt_jax.scaling.laws import LAWS, law_from_dict
 
 # Columns each law's fit needs; `loss` always, `cell` for the cell bootstrap (optional for Chinchilla and
@@ -93,12 +94,8 @@ def warn_duplicates(table: pd.DataFrame, law_name: str, source: str = "table") -
     return count
 
 
-def repo_root() -> Path:
-    return Path(__file__).resolve().parents[2]
-
-
 # Epoch AI's extraction of Chinchilla's Figure 4 points (source and licence: reference_data/README.md).
-CHINCHILLA_CSV = Path(__file__).resolve().parents[1] / "reference_data" / "chinchilla" / "svg_extracted_data.csv"
+CHINCHILLA_CSV = REFERENCE_DATA / "chinchilla" / "svg_extracted_data.csv"
 
 
 def chinchilla_table(csv_path=None, drop_highest: int = 5) -> tuple[pd.DataFrame, np.ndarray, int]:

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
+
+from smelt_jax.paths import REFERENCE_DATA
 from typing import Any
 
-JOBSET_CRD = Path(__file__).resolve().parents[1] / "reference_data" / "jobset" / "jobset.x-k8s.io_jobsets.yaml"
+JOBSET_CRD = REFERENCE_DATA / "jobset" / "jobset.x-k8s.io_jobsets.yaml"
 JOBSET_VERSION = "v1alpha2"
 
 
