@@ -161,25 +161,35 @@ class LocalLock:
         with contextlib.suppress(OSError):
             os.unlink(aside)
 
-    def refresh(self) -> None:
-        """Heartbeat: touch the lock file if this process still holds it, else mark the lock lost."""
+    def _still_ours(self) -> bool:
+        """True while this process holds the lock; marks it lost when another holder has taken it."""
         if not self._held:
-            return
+            return False
         found = self._read()
         if found is None or found[0].get("token") != self.token:
             self._lost = True
+            return False
+        return True
+
+    def refresh(self) -> None:
+        """Heartbeat: touch the lock file if this process still holds it, else mark the lock lost."""
+        if not self._still_ours():
             return
         with contextlib.suppress(FileNotFoundError):
             os.utime(self.path)
 
     def release(self) -> None:
+        """Delete the lock if it is still this process's (a taken-over lock is left to its new holder)."""
         if not self._held:
             return
         self._held = False
         found = self._read()
         if found is not None and found[0].get("token") == self.token:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.path)
+            self._delete()
+
+    def _delete(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
 
 
 class GcsLease(LocalLock):
@@ -241,21 +251,11 @@ class GcsLease(LocalLock):
                        f"{self.description}: could not take the lock {self.path}; try again")
 
     def refresh(self) -> None:
-        if not self._held:
-            return
-        found = self._read()
-        if found is None or found[0].get("token") != self.token:
-            self._lost = True
-            return
-        self._write()
+        if self._still_ours():
+            self._write()
 
-    def release(self) -> None:
-        if not self._held:
-            return
-        self._held = False
-        found = self._read()
-        if found is not None and found[0].get("token") == self.token:
-            self._gcs.delete(self.path)
+    def _delete(self) -> None:
+        self._gcs.delete(self.path)
 
 
 def phase_lock(folder: str | os.PathLike, *, description: str = "") -> PhaseLock:
