@@ -1,7 +1,8 @@
 """Experiment suites, built from code. `load_suite(name)` returns its runs; `find_run(id)` any run.
 
 Suites: `smelt16` (the paper's 16 matched pairs), `ablations200m` (loop span, depth, loop count),
-`micro` (the same structure, shrunk to train on a 2-core CPU) and `smoke` (a subset of `micro`).
+`micro` (the same structure, shrunk to train on a 2-core CPU), `ablationsmicro` (the ablations at micro
+scale) and `smoke` (a subset of `micro`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from smelt_jax.descriptors import RunSpec
 # suite -> (module of this package, builder function). A module that fails to import is an error
 # (with its traceback), never an "unknown suite".
 _BUILDERS = {"smelt16": ("smelt16", "build"), "ablations200m": ("ablations200m", "build"),
-             "micro": ("micro", "build"), "smoke": ("micro", "build_smoke")}
+             "micro": ("micro", "build"), "ablationsmicro": ("ablationsmicro", "build"),
+             "smoke": ("micro", "build_smoke")}
 SUITE_NAMES = tuple(_BUILDERS)
 
 

@@ -54,7 +54,7 @@ DERIVED_REMAT = "full"
 
 # CPU-sized suites never need more than the smallest slice.
 CPU_SUITE_SLICE = "v5p-8"
-CPU_SUITES = ("micro", "smoke")
+CPU_SUITES = ("micro", "ablationsmicro", "smoke")
 
 _POLICIES = {"smelt16": SMELT16_POLICY, "ablations200m": ABLATIONS200M_POLICY}
 

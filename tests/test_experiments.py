@@ -72,6 +72,33 @@ def test_ablations_are_matched_to_the_200m_s85_baseline():
     assert (r3.loop_repeats, r3.loop_length, r3.loop_start) == (3, 6, 3)
 
 
+def test_micro_ablations_cover_the_papers_three_sweeps_without_training_a_model_twice():
+    from experiments import ablationsmicro
+
+    micro_runs = {r.id: r for r in experiments.load_suite("micro")}
+    own = {r.id: r for r in experiments.load_suite("ablationsmicro")}
+    reference = _pairs("micro")["micro-s-s85"]["baseline"].model
+    points = ablationsmicro.points()
+    by_variant = {(p["sweep"], p["variant"], p["arch"]): p for p in points}
+    assert {v for s, v, _ in by_variant if s == "span"} == {f"span{m}" for m in range(7)}
+    assert {(v, a) for s, v, a in by_variant if s == "depth"} == {
+        ("l5", "baseline"), ("l6", "baseline"), ("l8", "baseline"), ("l9", "baseline"),
+        ("l4", "looped"), ("l5", "looped"), ("l6", "looped"), ("l7", "looped")}
+    assert {v for s, v, _ in by_variant if s == "loops"} == {"r1", "r2", "r3", "r4"}
+    for p in points:
+        run = own.get(p["run"]) or micro_runs[p["run"]]
+        assert run.model == p["model"]  # the point's result comes from a run of this very model
+        mm = mismatch(reference, p["model"])
+        assert abs(mm["flops"]) <= 0.04 and abs(mm["params"]) <= 0.01 and abs(mm["kv"]) <= 0.045
+    # the reference and the standard SMELT model come from micro's final branch, not retrained
+    assert {p["run"] for p in points if p["variant"] in ("span0", "r1", "span3", "r2")} == {
+        _pairs("micro")["micro-s-s85"]["baseline"].id, _pairs("micro")["micro-s-s85"]["smelt"].id}
+    assert len(own) == len({p["run"] for p in points}) - 2 == 13
+    r4 = by_variant[("loops", "r4", "looped")]["model"]
+    assert (r4.loop_start, r4.loop_length, r4.loop_repeats, r4.executed_layers) == (1, 3, 4, 15)
+    assert all(r.schedule.fork_steps == (100,) for r in own.values())
+
+
 def test_micro_and_smoke_structure():
     micro = experiments.load_suite("micro")
     assert len(micro) == 32 and len({r.pair_id for r in micro}) == 16

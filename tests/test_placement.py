@@ -94,7 +94,7 @@ def test_a_run_without_placement_fails_clearly_at_render_time():
 
 
 def test_cpu_suites_get_the_smallest_slice_and_their_own_layout():
-    for suite in ("micro", "smoke"):
+    for suite in placement.CPU_SUITES:
         for run in experiments.load_suite(suite):
             got = placement.placement_for(run)
             assert got.tpu_type == placement.CPU_SUITE_SLICE and got.remat == run.parallelism.remat

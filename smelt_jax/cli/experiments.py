@@ -113,7 +113,7 @@ def register(subparsers) -> None:
     ex = subparsers.add_parser("experiments", help="list and show experiment descriptors")
     ex_sub = ex.add_subparsers(dest="experiments_command", metavar="ACTION")
     p = ex_sub.add_parser("list", help="runs of one suite or all, as a table or JSON")
-    p.add_argument("--suite", help="smelt16, ablations200m, micro or smoke (default: all)")
+    p.add_argument("--suite", help="smelt16, ablations200m, micro, ablationsmicro or smoke (default: all)")
     p.add_argument("--json", action="store_true", help="one JSON object per model configuration")
     p.set_defaults(handler=cmd_list)
     p = ex_sub.add_parser("show", help="one run's full descriptor as JSON")

@@ -147,7 +147,7 @@ _CLOUD_HELP = {
 def _common(parser, *, backend_required: bool, runs_jobs: bool, submits: bool) -> None:
     """The flags a sweep verb takes: every verb its own, so that e.g. `plan --submit` is an error.
     runs_jobs: the local backend's --parallel/--command/--quiet; submits: --submit."""
-    parser.add_argument("suite", help="suite name (smelt16, ablations200m, micro, smoke)")
+    parser.add_argument("suite", help="suite name (smelt16, ablations200m, micro, ablationsmicro, smoke)")
     parser.add_argument("--backend", choices=BACKENDS, required=backend_required,
                         help="local, xpk or tpu-vm" + ("" if backend_required else " (default local)"))
     parser.add_argument("--runs-dir", help="runs root: a local path or gs://... (default $SMELT_RUNS_DIR "

@@ -1,0 +1,110 @@
+"""`ablationsmicro`: the paper's three ablations (docs/paper.md §6) shrunk as `micro` shrinks its grid.
+
+The paper ablates at its second scale, S~85%, L = 12; here the micro `s` scale, S~85% (16 experts
+top-2), L = 6, so every fraction of the depth the paper uses is a whole number of layers:
+- `span`: loop span m = 0..6 of L = 6 layers (0, 17, 33, 50, 67, 83, 100%, the paper's fractions),
+  centred, r = 2.
+- `depth`: Baselines of L = 5, 6, 8, 9 (the paper's 0.75/1/1.25/1.5 x L, rounded half up) and looped
+  models of L = 4, 5, 6, 7 physical layers (the paper's 2/3, 5/6, 1, 7/6 x L; middle half, r = 2;
+  effective 6, 7, 9, 10).
+- `loops`: the middle half (3 layers) looped r = 1, 2, 3, 4 times.
+Every model is re-matched to the `s` S~85% Baseline's FLOPs, parameters and KV cache with micro's
+search grid, and trains micro's stable run (100 steps) with one decay branch at its end (the paper's
+ablations are single runs).
+
+Two points of the grid are models the `micro` suite already trains with exactly this stable run and
+this final branch (`micro-s-s85-baseline`, branch 5: span 0 = L 6 Baseline = r 1; and
+`micro-s-s85-smelt`, branch 5: span 3 = looped L 6 = r 2), so they are not trained twice:
+`points()` names them by their micro run and the ablation table reads them from micro's results.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from experiments import micro
+from smelt_jax.config import ModelConfig, Schedule, middle_loop, smelt_loop
+from smelt_jax.descriptors import RunSpec
+from smelt_jax.matching import Tolerances, match
+
+SUITE = "ablationsmicro"
+SCALE, LABEL, EXPERTS = "s", "s85", micro.BASELINE_EXPERTS[1]
+N_LAYERS = micro.SCALES[SCALE][1]
+SPANS = tuple(range(0, N_LAYERS + 1))
+BASELINE_DEPTHS = (5, 6, 8, 9)
+LOOPED_DEPTHS = (4, 5, 6, 7)
+LOOP_COUNTS = (1, 2, 3, 4)
+# micro's grid with steps of 2: a loop of 7 or 15 executed layers needs a KV width (KV heads x head size)
+# near 576 / (2 x executed layers), which steps of 4 cannot reach at these widths. The KV tolerance is
+# 4.5%: r = 4 (15 executed layers) meets FLOPs and parameters only at a KV width of 20 against 19.2.
+GRID = dataclasses.replace(micro.GRID, d_model_step=2, head_dim_step=2, ffn_step=2)
+TOLERANCES = Tolerances(kv=0.045)
+SCHEDULE = dict(micro.MICRO_SCHEDULE, fork_steps=(micro.MICRO_SCHEDULE["stable_steps"],))
+
+
+def schedule() -> Schedule:
+    return Schedule(peak_lr=micro.PEAK_LR[SCALE], **SCHEDULE)
+
+
+def _shapes() -> list[tuple[str, str, dict]]:
+    """(sweep, variant, shape overrides of the reference Baseline) for every point of the grid."""
+    points = []
+    for m in SPANS:
+        loop = {"loop_start": middle_loop(N_LAYERS, m), "loop_length": m, "loop_repeats": 2}
+        points.append(("span", f"span{m}", loop if m else {}))
+    for n_layers in BASELINE_DEPTHS:
+        points.append(("depth", f"l{n_layers}", {"n_layers": n_layers}))
+    for n_layers in LOOPED_DEPTHS:
+        points.append(("depth", f"l{n_layers}", {"n_layers": n_layers, **smelt_loop(n_layers)}))
+    for r in LOOP_COUNTS:
+        points.append(("loops", f"r{r}", smelt_loop(N_LAYERS, r) if r > 1 else {}))
+    return points
+
+
+def _model(reference: ModelConfig, shape: dict) -> ModelConfig:
+    target = reference.replace(**shape)
+    if target == reference:
+        return reference
+    if target == reference.replace(**smelt_loop(N_LAYERS)):
+        return micro.smelt_config(SCALE, LABEL)
+    return match(reference, target, grid=GRID, tolerances=TOLERANCES).config
+
+
+def points() -> list[dict]:
+    """Every ablation point: sweep, variant, arch, the model, and where its result comes from
+    (`run`: this suite's run id, or the micro run whose final branch it is, with `branch`)."""
+    reference = micro.baseline_config(SCALE, EXPERTS)
+    shared = {reference: next(r for r in micro.build()
+                              if r.scale == SCALE and r.sparsity_label == LABEL and r.arch == "baseline"),
+              micro.smelt_config(SCALE, LABEL): next(
+                  r for r in micro.build()
+                  if r.scale == SCALE and r.sparsity_label == LABEL and r.arch == "smelt")}
+    runs = {run.model: run for run in build()}
+    out = []
+    for sweep, variant, shape in _shapes():
+        model = _model(reference, shape)
+        arch = "looped" if model.is_looped else "baseline"
+        if model in shared:
+            run, branch = shared[model], len(micro.MICRO_SCHEDULE["fork_steps"]) - 1
+        else:
+            run, branch = runs[model], 0
+        out.append({"sweep": sweep, "variant": variant, "arch": arch, "model": model,
+                    "run": run.id, "branch": branch})
+    return out
+
+
+def build() -> list[RunSpec]:
+    reference = micro.baseline_config(SCALE, EXPERTS)
+    control = micro.baseline_config(SCALE, micro.BASELINE_EXPERTS[0])
+    shared = {reference, micro.smelt_config(SCALE, LABEL)}
+    runs, seen = [], set()
+    for sweep, variant, shape in _shapes():
+        model = _model(reference, shape)
+        if model in shared or model in seen:
+            continue
+        seen.add(model)
+        arch = "looped" if model.is_looped else "baseline"
+        runs.append(RunSpec(suite=SUITE, scale=SCALE, sparsity_label=LABEL, arch=arch, model=model,
+                            schedule=schedule(), control=control, pair_id=f"{SUITE}-{sweep}",
+                            variant=variant))
+    return runs
