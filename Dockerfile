@@ -4,7 +4,7 @@
 #
 #   make image                    # builds and tags IMAGE (default smelt-jax:<git short sha>)
 #   make image push-image IMAGE=REGION-docker.pkg.dev/PROJECT/smelt/smelt-jax:TAG
-#   smelt sweep submit smelt16 --backend xpk --image REGION-docker.pkg.dev/PROJECT/smelt/smelt-jax:TAG ...
+#   smelt sweep submit --suite smelt16 --backend xpk --image REGION-docker.pkg.dev/PROJECT/smelt/smelt-jax:TAG ...
 #
 # Versions: requirements/cpu.txt (the pins of the tested CPU stack) constrains whatever the wheel
 # requires, so the image gets the same jax/flax/optax/orbax/... as the tests; requirements/tpu.txt

@@ -60,7 +60,7 @@ clean:  ## remove caches (keeps .venv)
 # Container image (Dockerfile) for TPU pods: docker, else podman (or CONTAINER_TOOL=...). IMAGE_NAME is
 # smelt_jax.sweep.base.IMAGE_NAME; pushed to the Artifact Registry repository of docs/tpu-quickstart.md:
 #   make image push-image IMAGE=REGION-docker.pkg.dev/PROJECT/smelt/smelt-jax:TAG
-# then `smelt sweep submit SUITE --backend xpk --image <that IMAGE> ... --submit`.
+# then `smelt sweep submit --suite SUITE --backend xpk --image <that IMAGE> ... --submit`.
 .PHONY: image push-image
 IMAGE_NAME := smelt-jax
 GIT_SHA = $(or $(shell git rev-parse --short HEAD 2>/dev/null),dev)
@@ -80,4 +80,4 @@ push-image:  ## push IMAGE to Artifact Registry (IMAGE=REGION-docker.pkg.dev/PRO
 	@if [ "$(IMAGE)" != "$(IMAGE_NAME):$(GIT_SHA)" ] && ! $(CONTAINER_TOOL) image inspect $(IMAGE) >/dev/null 2>&1; then \
 	  $(CONTAINER_TOOL) tag $(IMAGE_NAME):$(GIT_SHA) $(IMAGE); fi
 	$(CONTAINER_TOOL) push $(IMAGE)
-	@echo "pushed $(IMAGE); submit with: smelt sweep submit SUITE --backend xpk --image $(IMAGE) ..."
+	@echo "pushed $(IMAGE); submit with: smelt sweep submit --suite SUITE --backend xpk --image $(IMAGE) ..."

@@ -12,6 +12,7 @@ import functools
 import importlib
 
 from smelt_jax.descriptors import RunSpec
+from smelt_jax.errors import UnknownName
 
 # suite -> (module of this package, builder function). A module that fails to import is an error
 # (with its traceback), never an "unknown suite".
@@ -24,7 +25,7 @@ SUITE_NAMES = tuple(_BUILDERS)
 @functools.cache
 def load_suite(name: str) -> tuple[RunSpec, ...]:
     if name not in _BUILDERS:
-        raise KeyError(f"unknown suite {name!r}; known: {', '.join(SUITE_NAMES)}")
+        raise UnknownName(f"unknown suite {name!r}; known: {', '.join(SUITE_NAMES)}")
     module, function = _BUILDERS[name]
     return tuple(getattr(importlib.import_module(f"experiments.{module}"), function)())
 
@@ -42,9 +43,9 @@ def find_run(run_id: str) -> RunSpec:
         return matches[0]
     if matches:
         shown = ", ".join(run.id for run in matches[:6]) + (", ..." if len(matches) > 6 else "")
-        raise KeyError(f"{run_id!r} is the start of {len(matches)} run ids ({shown}); give more of it")
+        raise UnknownName(f"{run_id!r} is the start of {len(matches)} run ids ({shown}); give more of it")
     ids = [run.id for run in (runs if suite in SUITE_NAMES else
                                [r for name in SUITE_NAMES for r in load_suite(name)])]
     near = difflib.get_close_matches(run_id, ids, n=3, cutoff=0.5)
     hint = f"; nearest: {', '.join(near)}" if near else ""
-    raise KeyError(f"no run with id {run_id!r}{hint} (list them with `smelt experiments list`)")
+    raise UnknownName(f"no run with id {run_id!r}{hint} (list them with `smelt experiments list`)")

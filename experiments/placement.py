@@ -32,6 +32,7 @@ from pathlib import Path
 
 from smelt_jax.compile.candidates import SearchPolicy, candidates
 from smelt_jax.descriptors import Parallelism, RunSpec
+from smelt_jax.errors import UsageError
 from smelt_jax.parallel.layout import load_layouts, run_key
 
 HERE = Path(__file__).resolve().parent
@@ -62,7 +63,7 @@ _POLICIES = {"smelt16": SMELT16_POLICY, "ablations200m": ABLATIONS200M_POLICY}
 def search_policy(suite: str) -> SearchPolicy:
     """The compile report's policy for `suite` (slice per scale, expert axis sizes, order)."""
     if suite not in _POLICIES:
-        raise ValueError(f"suite {suite!r} has no compile-report policy (known: {', '.join(_POLICIES)}); "
+        raise UsageError(f"suite {suite!r} has no compile-report policy (known: {', '.join(_POLICIES)}); "
                          f"{', '.join(CPU_SUITES)} are CPU-sized")
     return _POLICIES[suite]
 
@@ -118,7 +119,7 @@ def placement_for(run: RunSpec) -> Parallelism:
     table = layouts(run.suite)
     key = run_key(run)
     if key not in table:
-        raise ValueError(f"run {run.id}: no TPU placement (no layout {key!r} for suite {run.suite!r}); "
+        raise UsageError(f"run {run.id}: no TPU placement (no layout {key!r} for suite {run.suite!r}); "
                          f"`smelt compile-report --suite {run.suite}` chooses one "
                          f"(experiments/placement.py)")
     return table[key]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 
 from smelt_jax.config import ModelConfig
+from smelt_jax.errors import UsageError
 
 # Mean keys attended per query in the paper's packed 4096-token contexts (derived: reproduces the
 # paper's worked example F = 1.33e9 / 1.37e9 at 200M, S~95%; see docs/budget.md).
@@ -99,7 +100,7 @@ def compute_equivalent_sparsity(flops: float, params: float, control_flops: floa
                                 control_params: float) -> float:
     """S = 1 - (F / F0) * N0 / N against a fully active control with FLOPs F0 and params N0."""
     if min(flops, params, control_flops, control_params) <= 0:
-        raise ValueError("FLOPs and parameter counts must be positive")
+        raise UsageError("FLOPs and parameter counts must be positive")
     return 1.0 - (flops / control_flops) * control_params / params
 
 

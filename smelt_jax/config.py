@@ -13,10 +13,11 @@ import json
 import math
 from typing import Any
 
+from smelt_jax.errors import SmeltError
 from smelt_jax.kernels.backend import EXPERT_IMPLS  # the backend names, defined once (jax-free)
 
 
-class ConfigError(ValueError):
+class ConfigError(SmeltError, ValueError):
     """A configuration that cannot describe a valid model or schedule."""
 
 
@@ -48,6 +49,10 @@ EXPERT_EXCHANGES = ("padded", "ragged")  # how expert parallelism moves tokens: 
 # Fields added after run ids were first published: left out of `to_dict` (and so of every content hash)
 # while they hold these defaults, so existing run ids, cache keys and golden files stay valid.
 _OMITTED_WHEN_DEFAULT = {"expert_exchange": "padded"}
+# Fields moved out of ModelConfig after run ids were published, with the value every published id hashed.
+# `identity()` adds them back, so ids and cache keys stay valid; `from_dict` drops them from old spec
+# files. `remat` is an execution choice and lives with the layout (`descriptors.Parallelism.remat`).
+_RETIRED_FIELDS = {"remat": "none"}
 DTYPES = ("float32", "bfloat16")
 
 
@@ -83,7 +88,6 @@ class ModelConfig:
     expert_impl: str = "auto"
     param_dtype: str = "float32"
     compute_dtype: str = "float32"
-    remat: str = "none"
     expert_exchange: str = "padded"  # "ragged": send only filled rows (TPU/GPU; XLA:CPU lacks it)
 
     def __post_init__(self) -> None:
@@ -113,7 +117,6 @@ class ModelConfig:
                  f"capacity_factor must be None (dropless) or > 0, got {self.capacity_factor}")
         _require(self.expert_impl in EXPERT_IMPLS,
                  f"expert_impl {self.expert_impl!r} not in {EXPERT_IMPLS}")
-        _require(self.remat in REMAT_POLICIES, f"remat {self.remat!r} not in {REMAT_POLICIES}")
         _require(self.expert_exchange in EXPERT_EXCHANGES,
                  f"expert_exchange {self.expert_exchange!r} not in {EXPERT_EXCHANGES}")
         _require(self.param_dtype in DTYPES and self.compute_dtype in DTYPES,
@@ -159,9 +162,13 @@ class ModelConfig:
                 del out[name]
         return out
 
+    def identity(self) -> dict[str, Any]:
+        """What run ids hash: `to_dict()` plus the retired fields at their published values."""
+        return {**self.to_dict(), **_RETIRED_FIELDS}
+
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
-        return _from_dict(cls, data)
+        return _from_dict(cls, {k: v for k, v in data.items() if k not in _RETIRED_FIELDS})
 
 
 def middle_loop(n_layers: int, loop_length: int) -> int:

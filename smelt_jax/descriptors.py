@@ -54,8 +54,8 @@ class RunSpec:
 
     @property
     def content_hash(self) -> str:
-        return content_hash({"model": self.model.to_dict(), "schedule": self.schedule.to_dict(),
-                             "control": self.control.to_dict(),
+        return content_hash({"model": self.model.identity(), "schedule": self.schedule.to_dict(),
+                             "control": self.control.identity(),
                              "parallelism": self.parallelism.to_dict()})
 
     @property

@@ -16,6 +16,8 @@ from __future__ import annotations
 import dataclasses
 import re
 
+from smelt_jax.errors import UsageError
+
 
 @dataclasses.dataclass(frozen=True)
 class Chip:
@@ -130,14 +132,14 @@ def parse_slice(name: str) -> Slice:
     """'v5p-128' -> Slice(generation 'v5p', 64 chips, shape '4x4x4'); a clear error for any other name."""
     match = re.fullmatch(r"(v4|v5p|v5e|v5litepod|v6e)-(\d+)", name)
     if not match:
-        raise ValueError(f"TPU slice {name!r}: want e.g. v5p-128, v5e-256, v6e-64, v4-32")
+        raise UsageError(f"TPU slice {name!r}: want e.g. v5p-128, v5e-256, v6e-64, v4-32")
     generation = "v5e" if match.group(1) == "v5litepod" else match.group(1)
     chip = TPU_CHIPS[generation]
     count = int(match.group(2))
     chips = count // chip.cores_per_chip
     table = TORUS_3D if chip.torus_dims == 3 else GRID_2D
     if count % chip.cores_per_chip or chips not in table:
-        raise ValueError(f"TPU slice {name!r}: {count / chip.cores_per_chip:g} chips is not a known "
+        raise UsageError(f"TPU slice {name!r}: {count / chip.cores_per_chip:g} chips is not a known "
                          f"{generation} shape ({sorted(table)})")
     return Slice(name, generation, chips, table[chips])
 

@@ -22,9 +22,10 @@ import numpy as np
 
 from smelt_jax import budget as budget_lib
 from smelt_jax.config import ModelConfig
+from smelt_jax.errors import SmeltError
 
 
-class MatchError(ValueError):
+class MatchError(SmeltError, ValueError):
     """No configuration on the grid meets every tolerance; names the budgets and the closest one."""
 
 
@@ -148,7 +149,7 @@ def match(reference: ModelConfig, target: ModelConfig, *, fixed: dict[str, int] 
     fixed = dict(fixed or {})
     unknown = set(fixed) - {"d_model", "n_experts", "head_dim", "n_kv_heads", "n_heads"}
     if unknown:
-        raise ValueError(f"cannot pin {sorted(unknown)}")
+        raise MatchError(f"cannot pin {sorted(unknown)}")
     want = _reference_budgets(reference)
     geometry = _candidate_geometry(reference, grid, fixed)
     ffn_options = _solve_expert_ffn(target, geometry, want["params"], grid.ffn_step)

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from smelt_jax.errors import UsageError
+
 TABLE_NAME = "results.parquet"
 CSV_NAME = "results.csv"
 LOCK_NAME = "results.lock"
@@ -62,21 +64,21 @@ class EndpointResult:
 
     def __post_init__(self) -> None:
         if not self.run_id or not isinstance(self.run_id, str):
-            raise ValueError(f"run_id must be a non-empty string, got {self.run_id!r}")
+            raise UsageError(f"run_id must be a non-empty string, got {self.run_id!r}")
         if not isinstance(self.branch, int) or self.branch < 0:
-            raise ValueError(f"branch must be a non-negative integer, got {self.branch!r}")
+            raise UsageError(f"branch must be a non-negative integer, got {self.branch!r}")
         if not 0 <= self.sparsity < 1:
-            raise ValueError(f"sparsity must lie in [0, 1), got {self.sparsity}")
+            raise UsageError(f"sparsity must lie in [0, 1), got {self.sparsity}")
         losses = {"val_loss": self.val_loss, **{f"{LOSS_PREFIX}{k}": v for k, v in self.losses_by_source.items()}}
         for name, value in losses.items():
             if not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise ValueError(f"{name} must be a finite number, got {value!r}")
+                raise UsageError(f"{name} must be a finite number, got {value!r}")
         for source in self.losses_by_source:
             if not str(source).isidentifier():
-                raise ValueError(f"source name {source!r} must be an identifier (it names a column)")
+                raise UsageError(f"source name {source!r} must be an identifier (it names a column)")
         for name in ("flops_per_token", "params", "tokens", "cumulative_flops"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+                raise UsageError(f"{name} must be positive, got {getattr(self, name)}")
 
     def to_row(self) -> dict:
         row = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "losses_by_source"}

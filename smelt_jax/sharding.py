@@ -15,6 +15,8 @@ from collections.abc import Sequence
 import jax
 from flax import nnx
 
+from smelt_jax.errors import UsageError
+
 MESH_AXES = ("data", "fsdp", "expert", "tensor")
 
 # Logical name -> mesh axis (a name, a tuple of names, or None for replicated).
@@ -114,22 +116,23 @@ def mesh_shape(parallelism, n_devices: int) -> tuple[int, ...]:
     sizes = [int(getattr(parallelism, axis)) for axis in MESH_AXES]
     fills = [i for i, size in enumerate(sizes) if size == -1]
     if len(fills) > 1:
-        raise ValueError(f"at most one mesh axis may be -1 (fill the rest); got {dict(zip(MESH_AXES, sizes))}")
+        raise UsageError(f"at most one mesh axis may be -1 (fill the rest); got {dict(zip(MESH_AXES, sizes))}")
     if any(size == 0 or size < -1 for size in sizes):
-        raise ValueError(f"mesh axis sizes must be positive or -1; got {dict(zip(MESH_AXES, sizes))}")
+        raise UsageError(f"mesh axis sizes must be positive or -1; got {dict(zip(MESH_AXES, sizes))}")
     fixed = 1
     for size in sizes:
         fixed *= size if size > 0 else 1
     if fills:
         if n_devices % fixed:
-            raise ValueError(f"{n_devices} devices do not divide by the fixed axes "
+            raise UsageError(f"{n_devices} devices do not divide by the fixed axes "
                              f"{dict(zip(MESH_AXES, sizes))} (product {fixed})")
         sizes[fills[0]] = n_devices // fixed
     total = 1
     for size in sizes:
         total *= size
     if total != n_devices:
-        raise ValueError(f"mesh {dict(zip(MESH_AXES, sizes))} needs {total} devices; {n_devices} available")
+        raise UsageError(f"mesh {dict(zip(MESH_AXES, sizes))} needs {total} devices; {n_devices} available "
+                         "(change --layout; -1 fills the rest)")
     return tuple(sizes)
 
 
@@ -147,9 +150,16 @@ def make_mesh(parallelism, devices=None) -> jax.sharding.Mesh:
     try:  # topology-aware device order (ICI rings) where JAX knows the hardware
         return jax.make_mesh(shape, MESH_AXES, axis_types=axis_types, devices=devices)
     except (ValueError, NotImplementedError, AssertionError) as error:
+        try:  # e.g. fsdp 8 x expert 8 on a 4x4x4 torus: 8 = 4 x 2 splits a physical axis; still in ring order
+            from jax.experimental import mesh_utils
+            ordered = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+            return jax.sharding.Mesh(ordered, MESH_AXES, axis_types=axis_types)
+        except (ValueError, NotImplementedError, AssertionError):
+            pass
         warnings.warn(
             f"jax.make_mesh could not lay out the mesh {dict(zip(MESH_AXES, shape))} over "
-            f"{len(devices)} {devices[0].device_kind} devices ({type(error).__name__}: {error}); using "
+            f"{len(devices)} {devices[0].device_kind} devices, not even splitting physical axes "
+            f"({type(error).__name__}: {error}); using "
             "the devices in their listed order instead, which may not follow the interconnect "
             "topology (collectives can be slower)", RuntimeWarning, stacklevel=2)
         return jax.sharding.Mesh(np.array(devices).reshape(shape), MESH_AXES, axis_types=axis_types)

@@ -43,9 +43,26 @@ def test_one_spelling_per_concept():
             "smelt results collect"} <= runs_root
 
 
-@pytest.mark.parametrize("argv", [["sweep", "plan", "smoke", "--submit"],
-                                  ["sweep", "status", "smoke", "--parallel", "2"]])
+@pytest.mark.parametrize("argv", [["sweep", "plan", "--suite", "smoke", "--submit"],
+                                  ["sweep", "status", "--suite", "smoke", "--parallel", "2"]])
 def test_a_verb_refuses_another_verbs_flag(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
     assert exit_info.value.code == 2 and "unrecognized arguments" in capsys.readouterr().err
+
+
+def test_suites_are_named_by_one_flag_and_lists_by_one_style():
+    """The suite is always `--suite` (never positional); a list is always space-separated values after
+    one flag (nargs), never comma-separated text or a repeated flag alone."""
+    positional_suite = [path for path, _, actions in COMMANDS for a in actions
+                        if not a.option_strings and a.dest == "suite"]
+    assert not positional_suite, positional_suite
+    repeated = [f"{path} {a.option_strings}" for path, _, actions in COMMANDS for a in actions
+                if type(a) is argparse._AppendAction]  # extend (nargs + repeatable) is fine
+    comma = [f"{path} {a.option_strings}" for path, _, actions in COMMANDS for a in actions
+             if "comma-separated" in (a.help or "") or "comma separated" in (a.help or "")]
+    assert not repeated and not comma, (repeated, comma)
+    lists = {f"{path} {a.option_strings[0]}" for path, _, actions in COMMANDS for a in actions
+             if a.option_strings and a.nargs == "+"}
+    assert {"smelt gain --compute", "smelt gain --sparsity", "smelt eval --dyck-shots",
+            "smelt train --override", "smelt sweep cancel --job"} <= lists

@@ -178,3 +178,20 @@ def test_cli_prefix_and_miss(capsys):
     assert cli_main(["budget", "smelt16-200m-s97-smelt-00000000"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "nearest" in err
+
+
+def test_compare_pair_gives_the_numbers_smelt_match_prints():
+    from smelt_jax.pairs import compare_pair
+
+    suite = experiments.load_suite("smelt16")
+    pair = _pairs("smelt16")["smelt16-600m-s97"]
+    comparison = compare_pair(pair["smelt"], suite)  # either member finds the pair
+    assert comparison.baseline is pair["baseline"] and comparison.others == (pair["smelt"],)
+    assert comparison.mismatches[pair["smelt"].id] == mismatch(pair["baseline"].model, pair["smelt"].model)
+    flops = comparison.ratio(pair["smelt"], "train FLOPs/token")
+    assert flops == pytest.approx(1 + comparison.mismatches[pair["smelt"].id]["flops"])
+    assert comparison.ratio(pair["smelt"], "sparsity S") is None
+    assert [row["arch"] for row in comparison.paper] == ["baseline", "smelt"]
+    assert comparison.paper[1]["paper_flops_ratio"] == 1.031 and comparison.paper[1]["flops_ratio"] == flops
+    micro = compare_pair(_pairs("micro")["micro-s-s85"]["baseline"], experiments.load_suite("micro"))
+    assert micro.paper == ()  # Appendix A describes smelt16 only

@@ -17,6 +17,7 @@ LAYERS: dict[str, int] = {
     # 0 - foundations: configuration, facts, naming, files; no model code, no training.
     "": 0,
     "config": 0,
+    "errors": 0,  # the user-error family (SmeltError)
     "kernels.backend": 0,  # backend names and the one backend decision (the config validates with it)
     "budget": 0,
     "hardware": 0,
@@ -41,6 +42,7 @@ LAYERS: dict[str, int] = {
     "analysis": 5,
     "scaling": 5,
     "paper": 5,
+    "pairs": 5,  # a matched pair compared (budgets, mismatches, Appendix A)
     "sweep": 5,
     # 6 - end-to-end jobs.
     "demo": 6,

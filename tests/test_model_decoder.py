@@ -182,7 +182,7 @@ def _loss_and_grads(model, batch):
 def test_remat_does_not_change_gradients_and_the_loop_weights_learn():
     batch = _batch()
     plain = Decoder(TINY, rngs=nnx.Rngs(0))
-    remat = Decoder(TINY.replace(remat="full"), rngs=nnx.Rngs(0))
+    remat = Decoder(TINY, rngs=nnx.Rngs(0), remat="full")
     loss_plain, grads_plain = _loss_and_grads(plain, batch)
     loss_remat, grads_remat = _loss_and_grads(remat, batch)
     np.testing.assert_allclose(float(loss_remat), float(loss_plain), rtol=1e-6)

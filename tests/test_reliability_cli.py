@@ -187,7 +187,7 @@ def _unshare_works() -> bool:
 
 
 @pytest.mark.skipif(not _unshare_works(), reason="needs unprivileged user and mount namespaces")
-@pytest.mark.parametrize("command", [["train", SMOKE_ID], ["sweep", "submit", "smoke", "--backend",
+@pytest.mark.parametrize("command", [["train", SMOKE_ID], ["sweep", "submit", "--suite", "smoke", "--backend",
                                                             "local", "--quiet"]])
 def test_read_only_runs_root_is_one_line_and_exit_2(tmp_path, command):
     """Issue item 4: `smelt train` and `smelt sweep submit` on a read-only runs root gave an OSError 30
@@ -240,7 +240,7 @@ def test_gain_rejects_non_positive_or_non_finite_compute(tmp_path, compute, caps
         (tmp_path / name).mkdir()
         (tmp_path / name / "coefficients.json").write_text(json.dumps({**coefficients, "a": a}))
     code = main(["gain", "--reference", str(tmp_path / "ref"), "--target", str(tmp_path / "tgt"),
-                 "--compute", f"1e21,{compute}", "--sparsity", "0.9"])
+                 "--compute", "1e21", compute, "--sparsity", "0.9"])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "compute" in err, err
 

@@ -30,7 +30,7 @@ def test_damaged_final_checkpoint_is_not_done_and_the_sweep_retrains_it(env, cap
     # before: a committed folder counted as done whatever its state
     assert statuses[stable.name] == JobStatus.DAMAGED
     assert "damaged" in failure_summary(g, statuses, root)
-    assert main(["sweep", "status", "smoke", "--runs-dir", str(root)]) == 0
+    assert main(["sweep", "status", "--suite", "smoke", "--runs-dir", str(root)]) == 0
     out = capsys.readouterr().out
     assert "damaged=1" in out and f"damaged: {stable.name}" in out
     log.unlink()

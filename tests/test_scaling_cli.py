@@ -22,8 +22,8 @@ def paper_dir(tmp_path_factory):
 def test_gain_cli_reproduces_paper_table(paper_dir, capsys):
     """Acceptance: `smelt gain` on the published coefficients: CE within 0.2 points, TPP within 1."""
     code = main(["gain", "--reference", str(paper_dir / "baseline"), "--target",
-                 str(paper_dir / "smelt" / "coefficients.json"), "--compute", "1e20,1e21,1e22",
-                 "--sparsity", "0.85,0.95,0.97", "--json"])
+                 str(paper_dir / "smelt" / "coefficients.json"), "--compute", "1e20", "1e21", "1e22",
+                 "--sparsity", "0.85", "0.95", "0.97", "--json"])
     assert code == 0
     rows = json.loads(capsys.readouterr().out)
     assert len(rows) == 9
@@ -49,7 +49,7 @@ def test_fit_bootstrap_gain_and_tables(tmp_path, capsys):
         assert 0 < coefficients["share_within_delta"] <= 1 and coefficients["rmse"] < 0.01
     capsys.readouterr()
     assert main(["gain", "--reference", str(tmp_path / "baseline"), "--target", str(tmp_path / "smelt"),
-                 "--compute", "1e21,1e23", "--sparsity", "0.95", "--json"]) == 0
+                 "--compute", "1e21", "1e23", "--sparsity", "0.95", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert [r["extrapolated"] for r in rows] == [False, True]
     assert all(r["ce_lo"] <= r["ce_gain"] <= r["ce_hi"] for r in rows)

@@ -17,6 +17,7 @@ from smelt_jax.results import read_results
 from smelt_jax.rundir import results_dir, run_dir
 from smelt_jax.sweep.collect import collect
 from smelt_jax.sweep.graph import JobStatus, artifact_statuses, build_graph
+from smelt_jax.sweep.summary import summarize
 from smelt_jax.sweep.local import (
     LocalBackend,
     LocalSettings,
@@ -122,9 +123,13 @@ def test_endpoint_without_row_is_collected_not_retrained(env, monkeypatch):
     proc = subprocess.run(fake, check=False, env={**os.environ, "FAKE_TRAINER_NO_ROW": f"{branch.run.id}:b0"})
     assert proc.returncode == 9
     assert artifact_statuses(g, root)[branch.name] == JobStatus.READY  # endpoint alone: not done
+    before = summarize(g, artifact_statuses(g, root), root)  # what `smelt sweep status` prints
+    assert (before.endpoints_written, before.endpoints_in_store, before.endpoints_expected) == (1, 0, 2 * N_RUNS)
     reports = collect(root, ["smoke"])
     assert (reports[0].endpoints, reports[0].appended) == (1, 1)
     assert artifact_statuses(g, root)[branch.name] == JobStatus.DONE
+    after = summarize(g, artifact_statuses(g, root), root)
+    assert (after.endpoints_written, after.endpoints_in_store, after.counts["done"]) == (1, 1, 2)
     assert collect(root, ["smoke"])[0].appended == 0  # idempotent
     row = json.loads(run_dir(g.suite, branch.run.id, root).endpoint(0).read_text())
     table = read_results(results_dir(g.suite, root))

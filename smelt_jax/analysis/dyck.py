@@ -30,6 +30,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from smelt_jax.errors import UsageError
+
 INSTRUCTION = (
     "Complete the rest of the sequence, making sure that the parentheses are closed properly. Input:"
 )
@@ -60,19 +62,19 @@ class DyckConfig:
 
     def __post_init__(self):
         if self.min_length < 1:
-            raise ValueError(f"DyckConfig.min_length must be >= 1, got {self.min_length}")
+            raise UsageError(f"DyckConfig.min_length must be >= 1, got {self.min_length}")
         if self.max_length < self.min_length:
-            raise ValueError(f"DyckConfig.max_length ({self.max_length}) < min_length ({self.min_length})")
+            raise UsageError(f"DyckConfig.max_length ({self.max_length}) < min_length ({self.min_length})")
         if self.max_depth < 1:
-            raise ValueError(f"DyckConfig.max_depth must be >= 1, got {self.max_depth}")
+            raise UsageError(f"DyckConfig.max_depth must be >= 1, got {self.max_depth}")
         if not 1 <= self.n_pair_types <= len(BRACKET_PAIRS):
-            raise ValueError(
+            raise UsageError(
                 f"DyckConfig.n_pair_types must be in [1, {len(BRACKET_PAIRS)}], got {self.n_pair_types}"
             )
         if not 0.0 < self.p_open < 1.0:
-            raise ValueError(f"DyckConfig.p_open must be in (0, 1), got {self.p_open}")
+            raise UsageError(f"DyckConfig.p_open must be in (0, 1), got {self.p_open}")
         if not self.feasible_lengths():
-            raise ValueError(
+            raise UsageError(
                 f"DyckConfig: no input length in [{self.min_length}, {self.max_length}] can end with an open "
                 f"bracket at max_depth={self.max_depth} (with max_depth=1 the length must be odd)"
             )
@@ -127,10 +129,10 @@ def closing_sequence(tokens: Sequence[str]) -> list[str]:
             stack.append(token)
         elif token in _OPENER_OF:
             if not stack or stack[-1] != _OPENER_OF[token]:
-                raise ValueError(f"not a Dyck prefix: {token!r} at position {position} closes nothing open")
+                raise UsageError(f"not a Dyck prefix: {token!r} at position {position} closes nothing open")
             stack.pop()
         else:
-            raise ValueError(f"not a bracket token: {token!r} at position {position}")
+            raise UsageError(f"not a bracket token: {token!r} at position {position}")
     return [_CLOSER_OF[token] for token in reversed(stack)]
 
 
@@ -185,9 +187,9 @@ def _solved_pair(rng: np.random.Generator, config: DyckConfig) -> tuple[str, str
 def make_example(seed: int, index: int, shots: int, config: DyckConfig = DyckConfig()) -> DyckExample:
     """Query `index` of `seed` with `shots` demonstrations (0 <= shots <= MAX_SHOTS); deterministic."""
     if not 0 <= shots <= MAX_SHOTS:
-        raise ValueError(f"shots must be in [0, {MAX_SHOTS}], got {shots}")
+        raise UsageError(f"shots must be in [0, {MAX_SHOTS}], got {shots}")
     if seed < 0 or index < 0:
-        raise ValueError(f"seed and index must be non-negative, got seed={seed}, index={index}")
+        raise UsageError(f"seed and index must be non-negative, got seed={seed}, index={index}")
     query, target = _solved_pair(np.random.default_rng([seed, index, 0]), config)
     demo_rng = np.random.default_rng([seed, index, 1])
     demos: list[tuple[str, str]] = []
@@ -200,7 +202,7 @@ def make_example(seed: int, index: int, shots: int, config: DyckConfig = DyckCon
             continue
         rejected_in_a_row += 1
         if rejected_in_a_row == 1000:
-            raise ValueError(f"{config} admits too few distinct inputs to draw demonstrations unlike the query")
+            raise UsageError(f"{config} admits too few distinct inputs to draw demonstrations unlike the query")
     pieces: list[str] = []
     spans: list[tuple[int, int]] = []
     offset = 0
@@ -227,7 +229,7 @@ def make_examples(
 ) -> list[DyckExample]:
     """Queries `0 .. n_examples-1` of `seed`, each with `shots` demonstrations."""
     if n_examples < 0:
-        raise ValueError(f"n_examples must be non-negative, got {n_examples}")
+        raise UsageError(f"n_examples must be non-negative, got {n_examples}")
     return [make_example(seed, index, shots, config) for index in range(n_examples)]
 
 

@@ -27,6 +27,7 @@ import numpy as np
 import pandas as pd
 
 from smelt_jax.analysis import dyck as dyck_lib
+from smelt_jax.errors import MissingInput, UsageError
 
 LENGTH_BUCKETS: tuple[int, ...] = tuple(2**i for i in range(5, 13))  # 32, 64, ..., 4096
 DEFAULT_DYCK_SHOTS: tuple[int, ...] = (0, 1, 4, 32)
@@ -149,17 +150,17 @@ def _find_run_root(target: str, root: Path | None) -> tuple[Path, int | None, in
                 if relative and relative[0].startswith("branch") and relative[0][6:].isdigit():
                     branch = int(relative[0][6:])
                 return candidate, branch, step
-        raise FileNotFoundError(f"{target}: no run.json in it or in the 3 folders above it")
+        raise MissingInput(f"{target}: no run.json in it or in the 3 folders above it")
     from smelt_jax.rundir import run_dir, runs_root
     base = root or runs_root()
     matches = sorted(base.glob(f"*/{target}/run.json"))
     if matches:
         return matches[0].parent, None, None
     import experiments
-    run = experiments.find_run(target)  # KeyError for an unknown id
+    run = experiments.find_run(target)  # UnknownName (a KeyError) for an unknown id
     folder = run_dir(run.suite, run.id, base).root
     if not (folder / "run.json").is_file():
-        raise FileNotFoundError(f"run {target} has not been trained under {base} (no {folder}/run.json)")
+        raise MissingInput(f"run {target} has not been trained under {base} (no {folder}/run.json)")
     return folder, None, None
 
 
@@ -181,7 +182,7 @@ def load_model(target: str, branch: int | None = None, *, root: Path | None = No
 
     run_root, path_branch, path_step = _find_run_root(target, root)
     if path_branch is not None and branch is not None and path_branch != branch:
-        raise ValueError(f"{target} is branch {path_branch}, but --branch {branch} was given")
+        raise UsageError(f"{target} is branch {path_branch}, but --branch {branch} was given")
     branch = path_branch if path_branch is not None else branch
     step = path_step if path_step is not None else step
     run = json.loads((run_root / "run.json").read_text())
@@ -189,7 +190,7 @@ def load_model(target: str, branch: int | None = None, *, root: Path | None = No
     schedule = Schedule.from_dict(run["schedule"])
     folder = RunDir(run_root).checkpoints(branch)
     if not folder.is_dir():
-        raise FileNotFoundError(f"no checkpoints at {folder}")
+        raise MissingInput(f"no checkpoints at {folder} (train that phase first: `smelt train`)")
     graphdef, abstract_state = abstract_train_state(cfg, optimizer(schedule))
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     with Checkpointer(folder) as checkpointer:
@@ -228,9 +229,10 @@ def encode_pair(context: str, continuation: str, tokenizer, max_len: int) -> tup
     context_ids, continuation_ids = tokenizer.encode(context), tokenizer.encode(continuation)
     n_continuation = int(continuation_ids.size)
     if n_continuation == 0:
-        raise ValueError(f"empty continuation after context {context[-40:]!r}")
+        raise UsageError(f"empty continuation after context {context[-40:]!r}")
     if n_continuation > max_len - 1:
-        raise ValueError(f"a continuation of {n_continuation} tokens does not fit max_len {max_len}")
+        raise UsageError(f"a continuation of {n_continuation} tokens does not fit max_len {max_len}; raise "
+                         "--max-len")
     ids = np.concatenate([[tokenizer.bos_id], context_ids, continuation_ids]).astype(np.int32)
     return ids[-max_len:], n_continuation
 
@@ -333,7 +335,7 @@ def validation_report(model, corpus, *, seq_len: int, max_tokens: int | None = N
             documents.append(doc[mask] + source_index * (1 << 40))  # unique across sources
             sources.append(np.full(int(mask.sum()), source, dtype=object))
     if not losses:
-        raise ValueError("the corpus has no validation documents")
+        raise UsageError("the corpus has no validation documents")
     losses, lengths = np.concatenate(losses).astype(np.float64), np.concatenate(lengths)
     documents, sources = np.concatenate(documents), np.concatenate(sources)
     by_source = (pd.DataFrame({"source": sources, "loss": losses}).groupby("source", sort=True)["loss"]

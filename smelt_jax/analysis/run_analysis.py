@@ -29,6 +29,7 @@ import pandas as pd
 from smelt_jax.analysis import attention as attention_lib
 from smelt_jax.analysis import dyck as dyck_lib
 from smelt_jax.analysis import mechanistic as mech
+from smelt_jax.errors import UsageError
 
 TOKEN_CAPTURES = ("topk_ids", "dx_attn", "dx_moe", "normed_input", "q", "k", "v", "pv", "attn_out")
 GU_LENGTH = attention_lib.GU_SEQ_LEN
@@ -116,7 +117,7 @@ def held_out_rows(corpus, *, n_tokens: int, seq_len: int) -> dict[str, np.ndarra
             if len(rows["tokens"]) == wanted:
                 break
     if not rows["tokens"]:
-        raise ValueError(f"no validation row of {seq_len} tokens without padding")
+        raise UsageError(f"no validation row of {seq_len} tokens without padding; lower --seq-len")
     return {key: np.asarray(value, dtype=object if key == "source" else np.int32)
             for key, value in rows.items()}
 
@@ -135,7 +136,8 @@ def gu_rows(corpus, *, n_rows: int, length: int = GU_LENGTH) -> np.ndarray:
             if index < len(docs) and len(picked) < n_rows:
                 picked.append(docs[index])
     if not picked:
-        raise ValueError(f"no validation document of at least {length} tokens")
+        raise UsageError(f"no validation document of at least {length} tokens (the data's validation split "
+                         "is too small for this analysis)")
     return np.asarray(picked, dtype=np.int32)
 
 
@@ -179,7 +181,7 @@ def dyck_head_tables(model, *, shots: int = 4, n_examples: int = 16, seed: int =
 
     cfg = model.cfg
     if not cfg.is_looped:
-        raise ValueError("the Dyck head is a head of the looped block; this model has none")
+        raise UsageError("the Dyck head is a head of the looped block; this model has none")
     examples = dyck_lib.make_examples(seed, n_examples, shots)
     baseline = dyck_loss(make_score_fn(model, max_len=max_len, batch_size=batch_size), examples)
     losses = {}
@@ -198,7 +200,7 @@ def dyck_head_tables(model, *, shots: int = 4, n_examples: int = 16, seed: int =
     for example in examples:
         ids, n_answer = encode_pair(example.context, example.continuation, DEFAULT_TOKENIZER, max_len)
         if ids[0] != DEFAULT_TOKENIZER.bos_id:
-            raise ValueError(f"a {shots}-shot Dyck prompt does not fit max_len {max_len}")
+            raise UsageError(f"a {shots}-shot Dyck prompt does not fit max_len {max_len}; use fewer --dyck-shots")
         n = ids.size
         captured = analysis_captures(run(model, ids[None], np.ones((1, n), np.int32),
                                          np.arange(n, dtype=np.int32)[None]))

@@ -32,12 +32,14 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import pandas as pd
 
+from smelt_jax.errors import SmeltError, UsageError
+
 ScoreFn = Callable[[list[str], list[str]], Sequence[tuple[float, int, bool]]]
 TASK_KINDS = ("lm", "mc")
 METRICS = ("acc", "acc_norm")
 
 
-class TaskFileError(ValueError):
+class TaskFileError(SmeltError, ValueError):
     """A task file or registry that cannot be read: names the file and line."""
 
 
@@ -76,17 +78,17 @@ class TaskSpec:
 
     def __post_init__(self):
         if not self.name:
-            raise ValueError("TaskSpec.name must be non-empty")
+            raise TaskFileError("TaskSpec.name must be non-empty")
         if self.kind not in TASK_KINDS:
-            raise ValueError(f"task {self.name!r}: kind must be one of {TASK_KINDS}, got {self.kind!r}")
+            raise TaskFileError(f"task {self.name!r}: kind must be one of {TASK_KINDS}, got {self.kind!r}")
         if self.random_baseline is not None and not 0.0 <= self.random_baseline < 1.0:
-            raise ValueError(
+            raise TaskFileError(
                 f"task {self.name!r}: random_baseline must be in [0, 1), got {self.random_baseline}"
             )
         if self.metric is not None and self.metric not in METRICS:
-            raise ValueError(f"task {self.name!r}: metric must be one of {METRICS}, got {self.metric!r}")
+            raise TaskFileError(f"task {self.name!r}: metric must be one of {METRICS}, got {self.metric!r}")
         if self.num_fewshot < 0:
-            raise ValueError(f"task {self.name!r}: num_fewshot must be >= 0, got {self.num_fewshot}")
+            raise TaskFileError(f"task {self.name!r}: num_fewshot must be >= 0, got {self.num_fewshot}")
 
     @property
     def scored_metric(self) -> str:
@@ -148,7 +150,7 @@ def infer_kind(record: dict) -> str:
         return "mc"
     if "continuation" in record:
         return "lm"
-    raise ValueError("cannot tell the task kind: the record has neither 'choices' nor 'continuation'")
+    raise TaskFileError("cannot tell the task kind: the record has neither 'choices' nor 'continuation'")
 
 
 def read_task_file(
@@ -239,7 +241,7 @@ def build_contexts(spec: TaskSpec, examples: Sequence[LMExample | MCExample]) ->
     """The prompt for each example: `num_fewshot` solved demonstrations, then its own context and delimiter."""
     n = len(examples)
     if spec.num_fewshot and spec.num_fewshot > n - 1:
-        raise ValueError(f"task {spec.name!r}: num_fewshot={spec.num_fewshot} needs more than {n} examples")
+        raise TaskFileError(f"task {spec.name!r}: num_fewshot={spec.num_fewshot} needs more than {n} examples")
     contexts = []
     for index, example in enumerate(examples):
         prefix = ""
@@ -284,7 +286,7 @@ def score_examples(
 ) -> pd.DataFrame:
     """Per-example results: one row per example with `correct` (acc) and `correct_norm` (acc_norm)."""
     if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        raise UsageError(f"batch_size must be >= 1, got {batch_size}")
     contexts = build_contexts(spec, examples)
     flat_contexts: list[str] = []
     flat_continuations: list[str] = []
@@ -329,7 +331,7 @@ def default_random_baseline(kind: str, examples: Sequence[LMExample | MCExample]
 def centered_accuracy(accuracy: float, random_baseline: float) -> float:
     """(acc - rho) / (1 - rho): 0 at chance, 1 at perfect; negative below chance."""
     if not 0.0 <= random_baseline < 1.0:
-        raise ValueError(f"random_baseline must be in [0, 1), got {random_baseline}")
+        raise TaskFileError(f"random_baseline must be in [0, 1), got {random_baseline}")
     return (accuracy - random_baseline) / (1.0 - random_baseline)
 
 
@@ -359,17 +361,17 @@ def evaluate_task(spec: TaskSpec, score_fn: ScoreFn, batch_size: int = 64) -> di
 def evaluate_tasks(specs: Sequence[TaskSpec], score_fn: ScoreFn, batch_size: int = 64) -> pd.DataFrame:
     """A tidy table, one row per task (see `evaluate_task`)."""
     if not specs:
-        raise ValueError("no tasks to evaluate")
+        raise UsageError("no tasks to evaluate")
     names = [spec.name for spec in specs]
     if len(set(names)) != len(names):
-        raise ValueError(f"duplicate task names in {names}")
+        raise TaskFileError(f"duplicate task names in {names}")
     return pd.DataFrame([evaluate_task(spec, score_fn, batch_size) for spec in specs])
 
 
 def dclm_core(results: pd.DataFrame) -> float:
     """DCLM Core: the unweighted mean of `centered` over the tasks of an `evaluate_tasks` table."""
     if results.empty or "centered" not in results:
-        raise ValueError("need an evaluate_tasks table with a 'centered' column and at least one task")
+        raise UsageError("need an evaluate_tasks table with a 'centered' column and at least one task")
     if results["task"].duplicated().any():
-        raise ValueError("each task must appear once")
+        raise UsageError("each task must appear once")
     return float(results["centered"].mean())

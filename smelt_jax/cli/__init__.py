@@ -1,23 +1,62 @@
 """The `smelt` command: a thin layer over library functions.
 
 Each module in this package that defines `register(subparsers)` adds its subcommands; a handler
-returns an exit code. A `CliError` (or `ConfigError`, `KeyError` for unknown ids, `ValueError` for bad
-input) becomes one line on stderr and exit code 2, never a traceback.
+returns an exit code. A `SmeltError` (smelt_jax/errors.py: the user's input was wrong) becomes one
+line on stderr and exit code 2; any other exception is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
+import functools
 import importlib
 import pkgutil
 import sys
+import warnings
 
-from smelt_jax.config import ConfigError
+from smelt_jax.errors import SmeltError
 from smelt_jax.platform import pin_cpu_without_accelerator
 
 
-class CliError(Exception):
+class CliError(SmeltError):
     """A user error reported as one line."""
+
+
+# Filesystem errors a user can fix (read-only or full disk, no permission, a file where a folder
+# should be): one line and exit 2 instead of a traceback.
+USER_FS_ERRNOS = {errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT, errno.ENOTDIR,
+                  errno.EISDIR, errno.EEXIST}
+
+
+def filesystem_errors(handler):
+    """Decorator for CLI handlers: an OSError the user can fix becomes a one-line CliError."""
+    @functools.wraps(handler)
+    def wrapped(args) -> int:
+        try:
+            return handler(args)
+        except OSError as err:
+            if err.errno not in USER_FS_ERRNOS:
+                raise
+            where = f" {err.filename}" if err.filename else ""
+            raise CliError(f"cannot write{where}: {err.strerror or err}") from err
+    return wrapped
+
+
+def _one_line_warning(message, category, filename, lineno, line=None) -> str:
+    return f"smelt: warning: {message}\n"
+
+
+@contextlib.contextmanager
+def one_line_warnings():
+    """Warnings print as `smelt: warning: ...` (one line) inside the block."""
+    previous = warnings.formatwarning
+    warnings.formatwarning = _one_line_warning
+    try:
+        yield
+    finally:
+        warnings.formatwarning = previous
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,11 +91,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(args.handler(args) or 0)
-    except (CliError, ConfigError, FileNotFoundError, ValueError) as err:
+    except SmeltError as err:  # the user's input was wrong: one line; anything else is a bug
         print(f"smelt: error: {err}", file=sys.stderr)
-        return 2
-    except KeyError as err:
-        print(f"smelt: error: {err.args[0] if err.args else err}", file=sys.stderr)
         return 2
     except BrokenPipeError:
         return 0

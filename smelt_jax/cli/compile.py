@@ -16,7 +16,7 @@ def cmd_compile(args) -> int:
 
     available, reason = aot.libtpu_status()
     if not available:
-        raise ValueError(reason)
+        raise aot.LibTpuUnavailable(reason)
     run = experiments.find_run(args.id)
     if args.exchange:
         run = dataclasses.replace(run, model=run.model.replace(expert_exchange=args.exchange))

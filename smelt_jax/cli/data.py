@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from smelt_jax.cli import CliError
+from smelt_jax.cli import CliError, filesystem_errors
 
 
 def register(subparsers) -> None:
@@ -149,6 +149,7 @@ def _describe_tokenizer(tokenizer) -> str:
             f"BOS {tokenizer.bos_id}, EOS {tokenizer.eos_id}, PAD {tokenizer.pad_id}")
 
 
+@filesystem_errors
 def _prepare(args) -> int:
     from smelt_jax.data.hf_tokenizer import TokenizerError, load_tokenizer
     from smelt_jax.data.prepare import PrepareConfig, PrepareError, prepare
@@ -170,7 +171,7 @@ def _prepare(args) -> int:
                                dedup=not args.no_dedup, layout="sharded" if args.sharded else "chunks")
         result = prepare(args.input, args.out, tokenizer, config, workers=args.workers, force=args.force,
                          progress=not args.quiet, clean_parts=args.clean_parts, subset=subset)
-    except (TokenizerError, PrepareError, StoreError, FileNotFoundError, ValueError) as err:
+    except (TokenizerError, PrepareError, StoreError) as err:
         raise CliError(str(err)) from err
     if subset is not None:
         for failed in result.failed_shards:
@@ -230,6 +231,7 @@ def _store_info(args) -> int:
     return 0
 
 
+@filesystem_errors
 def _tokenizer_train(args) -> int:
     from collections import Counter
 
@@ -244,7 +246,7 @@ def _tokenizer_train(args) -> int:
                            max_documents=args.max_documents, max_bytes=args.max_bytes, problems=problems)
         tokenizer = train_bpe(texts, args.vocab_size, min_frequency=args.min_frequency)
         tokenizer.save(args.out)
-    except (TokenizerError, FileNotFoundError, ValueError) as err:
+    except TokenizerError as err:
         raise CliError(str(err)) from err
     if problems:
         print("skipped: " + ", ".join(f"{k} {v}" for k, v in sorted(problems.items())))

@@ -1,4 +1,4 @@
-"""`smelt eval RUN_ID_OR_CHECKPOINT [--branch K] [--tasks FILE ...] [--dyck-shots 0,1,4,32] [--json]`."""
+"""`smelt eval RUN_ID_OR_CHECKPOINT [--branch K] [--tasks FILE ...] [--dyck-shots 0 1 4 32] [--json]`."""
 
 from __future__ import annotations
 
@@ -8,17 +8,17 @@ from pathlib import Path
 from smelt_jax.cli import CliError
 
 
-def parse_shots(text: str) -> tuple[int, ...]:
-    """'0,1,4,32' -> (0, 1, 4, 32); '' or 'none' -> () (skip Dyck)."""
-    if text.strip().lower() in ("", "none"):
+def parse_shots(values: list[str]) -> tuple[int, ...]:
+    """['0', '1', '4', '32'] -> (0, 1, 4, 32); ['none'] -> () (skip Dyck)."""
+    if [v.strip().lower() for v in values] == ["none"]:
         return ()
     try:
-        shots = tuple(int(part) for part in text.split(","))
+        shots = tuple(int(v) for v in values)
     except ValueError as err:
-        raise CliError(f"--dyck-shots must be comma-separated integers, got {text!r}") from err
+        raise CliError(f"--dyck-shots must be integers (or none), got {' '.join(values)}") from err
     from smelt_jax.analysis.dyck import MAX_SHOTS
     if any(not 0 <= k <= MAX_SHOTS for k in shots):
-        raise CliError(f"--dyck-shots must lie in [0, {MAX_SHOTS}], got {text!r}")
+        raise CliError(f"--dyck-shots must lie in [0, {MAX_SHOTS}], got {' '.join(values)}")
     return shots
 
 
@@ -67,7 +67,8 @@ def register(subparsers) -> None:
     p.add_argument("--branch", type=int, help="decay branch K (default: the stable run)")
     p.add_argument("--tasks", nargs="+", metavar="FILE",
                    help="task files (.jsonl, LM or multiple choice) or registries (.yaml/.json)")
-    p.add_argument("--dyck-shots", default="0,1,4,32", help="comma-separated shot counts; 'none' skips")
+    p.add_argument("--dyck-shots", nargs="+", default=["0", "1", "4", "32"], metavar="K",
+                   help="shot counts (default 0 1 4 32); 'none' skips Dyck")
     p.add_argument("--dyck-examples", type=int, default=64, help="Dyck queries per shot count")
     p.add_argument("--eval-tokens", type=int, default=16_384, help="validation tokens per source")
     p.add_argument("--no-validation", action="store_true", help="skip the validation loss")

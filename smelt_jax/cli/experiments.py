@@ -7,7 +7,7 @@ import json
 from smelt_jax import budget as budget_lib
 from smelt_jax import paper
 from smelt_jax.descriptors import RunSpec
-from smelt_jax.matching import mismatch
+from smelt_jax.pairs import budget_rows, compare_pair
 
 
 def _suites():
@@ -43,67 +43,51 @@ def cmd_show(args) -> int:
     return 0
 
 
-def _budget_rows(run: RunSpec) -> dict[str, float]:
-    b = run.budget()
-    return {"train FLOPs/token": b.train_flops_per_token,
-            "forward FLOPs/token": b.forward_flops_per_token, "params total": b.params_total,
-            "params active": b.params_active, "params executed": b.params_executed,
-            "params embedding": b.params_embedding, "KV entries/token": b.kv_per_token,
-            "sparsity S": b.sparsity}
-
-
 def cmd_budget(args) -> int:
     run = _suites().find_run(args.id)
     print(f"{run.id}  (attention at {budget_lib.ATTENDED_KEYS:.0f} keys/query; docs/budget.md)")
-    for name, value in _budget_rows(run).items():
+    for name, value in budget_rows(run).items():
         print(f"  {name:<22} {_fmt(value)}")
     return 0
+
+
+def _label(run: RunSpec) -> str:
+    return run.arch + (":" + run.variant if run.variant else "")
 
 
 def cmd_match(args) -> int:
     ex = _suites()
     run = ex.find_run(args.id)
-    pair = [r for r in ex.load_suite(run.suite) if r.pair_id == run.pair_id]
-    base = next((r for r in pair if r.arch == "baseline"), None)
-    if base is None:
-        raise ValueError(f"{run.pair_id} has no baseline to match against")
-    others = [r for r in pair if r is not base]
-    print(f"pair {run.pair_id}")
-    header = f"  {'budget':<22} {'baseline':>12}"
-    for other in others:
-        header += f" {other.arch + (':' + other.variant if other.variant else ''):>14} {'ratio':>7}"
-    print(header)
-    rows = {r.id: _budget_rows(r) for r in pair}
-    for name, value in rows[base.id].items():
+    pair = compare_pair(run, ex.load_suite(run.suite))
+    base = pair.baseline
+    print(f"pair {pair.pair_id}")
+    print(f"  {'budget':<22} {'baseline':>12}"
+          + "".join(f" {_label(other):>14} {'ratio':>7}" for other in pair.others))
+    for name, value in pair.budgets[base.id].items():
         line = f"  {name:<22} {_fmt(value):>12}"
-        for other in others:
-            theirs = rows[other.id][name]
-            ratio = f"{theirs / value:.3f}" if name != "sparsity S" and value else "-"
-            line += f" {_fmt(theirs):>14} {ratio:>7}"
+        for other in pair.others:
+            ratio = pair.ratio(other, name)
+            line += f" {_fmt(pair.budgets[other.id][name]):>14} {'-' if ratio is None else f'{ratio:.3f}':>7}"
         print(line)
-    for other in others:
-        mm = mismatch(base.model, other.model)
+    for other in pair.others:
+        mm = pair.mismatches[other.id]
         print(f"  {other.id}: mismatch FLOPs {mm['flops']:+.2%}, params {mm['params']:+.2%}, "
               f"KV {mm['kv']:+.2%}")
-    if run.suite == "smelt16":
-        _print_paper(base, [o for o in others if o.arch == "smelt"])
+    if pair.paper:
+        _print_paper(pair.paper, base)
     return 0
 
 
-def _print_paper(base: RunSpec, smelts: list[RunSpec]) -> None:
+def _print_paper(rows, base: RunSpec) -> None:
     print("  paper (Appendix A):")
-    ref = paper.appendix_a(base.scale, base.sparsity_label, "baseline")
-    print(f"    baseline: active {ref['active']}B, total {ref['total']}B, S {ref['sparsity']}% | "
-          f"ours: active {base.budget().params_active / 1e9:.3f}B, total "
-          f"{base.budget().params_total / 1e9:.2f}B, S {base.budget().sparsity:.1%}")
-    for smelt in smelts:
-        ref = paper.appendix_a(smelt.scale, smelt.sparsity_label, "smelt")
-        b, b0 = smelt.budget(), base.budget()
-        print(f"    smelt: active {ref['active']}B, total {ref['total']}B, S {ref['sparsity']}%, "
-              f"F ratio {ref['flops_ratio']}, KV ratio {ref['kv_ratio']} | ours: active "
-              f"{b.params_active / 1e9:.3f}B, total {b.params_total / 1e9:.2f}B, "
-              f"S {b.sparsity:.1%}, F ratio {b.train_flops_per_token / b0.train_flops_per_token:.3f},"
-              f" KV ratio {b.kv_per_token / b0.kv_per_token:.3f}")
+    for row in rows:
+        line = (f"    {row['arch']}: active {row['paper_active']}B, total {row['paper_total']}B, "
+                f"S {row['paper_sparsity']}%")
+        ours = (f"active {row['active']:.3f}B, total {row['total']:.2f}B, S {row['sparsity'] / 100:.1%}")
+        if row["arch"] == "smelt":
+            line += f", F ratio {row['paper_flops_ratio']}, KV ratio {row['paper_kv_ratio']}"
+            ours += f", F ratio {row['flops_ratio']:.3f}, KV ratio {row['kv_ratio']:.3f}"
+        print(f"{line} | ours: {ours}")
     if base.scale == "200m" and base.sparsity_label == "s95":
         print(f"    worked example F: baseline {paper.WORKED_EXAMPLE_FLOPS['baseline']:.3g}, smelt "
               f"{paper.WORKED_EXAMPLE_FLOPS['smelt']:.3g}")

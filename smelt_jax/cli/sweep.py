@@ -1,29 +1,14 @@
-"""`smelt sweep plan|submit|status|cancel SUITE` and `smelt results collect` (docs/sweeps.md)."""
+"""`smelt sweep plan|submit|status|cancel --suite SUITE`, `smelt results collect|export` (docs/sweeps.md)."""
 
 from __future__ import annotations
 
-import functools
 import shlex
 from pathlib import Path
 
-from smelt_jax.cli import CliError
-from smelt_jax.cli.train import filesystem_errors
-from smelt_jax.sweep.graph import JobGraph, JobStatus, count_statuses, suite_graph
+from smelt_jax.cli import filesystem_errors
+from smelt_jax.sweep.graph import JobGraph, JobStatus, suite_graph
 
 BACKENDS = ("local", "xpk", "tpu-vm")
-
-
-def _user_errors(handler):
-    """Missing tools, a busy or failed sweep, a read-only or full runs root: one line (exit 2), not
-    a traceback."""
-    @functools.wraps(handler)
-    @filesystem_errors
-    def wrapped(args) -> int:
-        try:
-            return handler(args)
-        except RuntimeError as err:
-            raise CliError(str(err)) from err
-    return wrapped
 
 
 def _runs_root(value: str | None):
@@ -55,7 +40,7 @@ def _graph(args) -> JobGraph:
     return suite_graph(args.suite)
 
 
-@_user_errors
+@filesystem_errors
 def cmd_plan(args) -> int:
     from smelt_jax.sweep.tpu import tpu_type_for
     graph = _graph(args)
@@ -72,7 +57,7 @@ def cmd_plan(args) -> int:
     return 0
 
 
-@_user_errors
+@filesystem_errors
 def cmd_submit(args) -> int:
     graph = _graph(args)
     backend = _backend(args, graph.suite)
@@ -81,14 +66,7 @@ def cmd_submit(args) -> int:
     return 1 if backend.submit(graph, execute=args.submit) else 0
 
 
-def _endpoint_counts(graph: JobGraph, root: Path | None) -> tuple[int, int]:
-    from smelt_jax.rundir import run_dir
-    branches = [job for job in graph.jobs if not job.is_stable]
-    written = sum(run_dir(graph.suite, job.run.id, root).endpoint(job.branch).exists() for job in branches)
-    return written, len(branches)
-
-
-@_user_errors
+@filesystem_errors
 def cmd_status(args) -> int:
     graph = _graph(args)
     statuses = _backend(args, graph.suite).status(graph)
@@ -96,21 +74,19 @@ def cmd_status(args) -> int:
         print(f"{'job':<42} {'phase':<7} status")
         for job in graph.jobs:
             print(f"{job.name:<42} {job.phase:<7} {statuses[job.name].value}")
-    counts = count_statuses(statuses)
-    print(" ".join(f"{status.value}={counts[status.value]}" for status in JobStatus)
-          + f"  (of {len(graph.jobs)} jobs)")
-    root = _runs_root(args.runs_dir)
-    written, expected = _endpoint_counts(graph, root)
-    rows = counts["done"] - sum(statuses[j.name] == JobStatus.DONE for j in graph.jobs if j.is_stable)
-    print(f"endpoints: {written} written, {rows} in the results store, {expected} expected")
-    damaged = [job for job in graph.jobs if statuses[job.name] == JobStatus.DAMAGED]
-    for job in damaged:
+    from smelt_jax.sweep.summary import summarize
+    summary = summarize(graph, statuses, _runs_root(args.runs_dir))
+    print(" ".join(f"{status.value}={summary.counts[status.value]}" for status in JobStatus)
+          + f"  (of {summary.jobs} jobs)")
+    print(f"endpoints: {summary.endpoints_written} written, {summary.endpoints_in_store} in the results "
+          f"store, {summary.endpoints_expected} expected")
+    for job in summary.damaged:
         print(f"damaged: {job.name} ({job.run.id}): a checkpoint it must provide is damaged; "
               f"`smelt train {job.run.id}` (or submitting the sweep) moves it aside and retrains it")
     return 0
 
 
-@_user_errors
+@filesystem_errors
 def cmd_cancel(args) -> int:
     graph = _graph(args)
     backend = _backend(args, graph.suite)
@@ -125,7 +101,7 @@ def cmd_cancel(args) -> int:
     return 0
 
 
-@_user_errors
+@filesystem_errors
 def cmd_collect(args) -> int:
     from smelt_jax.sweep.collect import collect
     reports = collect(args.runs_dir, [args.suite] if args.suite else None)
@@ -133,6 +109,15 @@ def cmd_collect(args) -> int:
         print(f"{report.suite}: {report.endpoints} endpoints, {report.appended} rows appended")
     if not reports:
         print("no suites found")
+    return 0
+
+
+@filesystem_errors
+def cmd_export(args) -> int:
+    from smelt_jax.sweep.collect import export
+    out = Path(args.out) if args.out else Path("fits") / args.suite / "results.csv"
+    rows = export(args.suite, out, _runs_root(args.runs_dir))
+    print(f"{args.suite}: {rows} endpoint rows -> {out}")
     return 0
 
 
@@ -147,7 +132,8 @@ _CLOUD_HELP = {
 def _common(parser, *, backend_required: bool, runs_jobs: bool, submits: bool) -> None:
     """The flags a sweep verb takes: every verb its own, so that e.g. `plan --submit` is an error.
     runs_jobs: the local backend's --parallel/--command/--quiet; submits: --submit."""
-    parser.add_argument("suite", help="suite name (smelt16, ablations200m, micro, ablationsmicro, smoke)")
+    parser.add_argument("--suite", required=True,
+                        help="suite name (smelt16, ablations200m, micro, ablationsmicro, smoke)")
     parser.add_argument("--backend", choices=BACKENDS, required=backend_required,
                         help="local, xpk or tpu-vm" + ("" if backend_required else " (default local)"))
     parser.add_argument("--runs-dir", help="runs root: a local path or gs://... (default $SMELT_RUNS_DIR "
@@ -193,7 +179,7 @@ def register(subparsers) -> None:
                               description="local: stops the running sweep (its trainers save first). "
                                           "xpk/tpu-vm: prints (or with --submit runs) the deletions.")
     _common(cancel, backend_required=True, runs_jobs=False, submits=True)
-    cancel.add_argument("--job", action="append", help="job name (repeatable; cloud backends)")
+    cancel.add_argument("--job", nargs="+", metavar="NAME", help="only these jobs (cloud backends)")
     cancel.set_defaults(handler=cmd_cancel)
 
     results = subparsers.add_parser("results", help="the results store",
@@ -203,3 +189,11 @@ def register(subparsers) -> None:
     collect.add_argument("--suite", help="only this suite (required for gs:// roots)")
     collect.add_argument("--runs-dir", help="runs root: a local path or gs://... (default $SMELT_RUNS_DIR or ./runs)")
     collect.set_defaults(handler=cmd_collect)
+    export = results_verbs.add_parser("export", help="write a suite's endpoint rows as fits/SUITE/results.csv",
+                                      description="The suite's local results store as a fit folder keeps it "
+                                                  "(every endpoint, per-source losses); `make fits` then "
+                                                  "fits it (docs/scaling.md).")
+    export.add_argument("--suite", required=True, help="suite name")
+    export.add_argument("--out", help="output CSV (default fits/SUITE/results.csv)")
+    export.add_argument("--runs-dir", help="runs root holding the store (default $SMELT_RUNS_DIR or ./runs)")
+    export.set_defaults(handler=cmd_export)

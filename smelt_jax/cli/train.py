@@ -2,39 +2,16 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import errno
-import functools
 import json
 import logging
 import math
 import sys
-import warnings
 
-from smelt_jax.cli import CliError
+from smelt_jax.cli import CliError, filesystem_errors, one_line_warnings
 from smelt_jax.config import ConfigError
 from smelt_jax.descriptors import RunSpec
-
-# Filesystem errors a user can fix (read-only or full disk, no permission, a file where a folder
-# should be): one line and exit 2 instead of a traceback.
-USER_FS_ERRNOS = {errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT, errno.ENOTDIR,
-                  errno.EISDIR, errno.EEXIST}
-
-
-def filesystem_errors(handler):
-    """Decorator for CLI handlers: an OSError the user can fix becomes a one-line CliError."""
-    @functools.wraps(handler)
-    def wrapped(args) -> int:
-        try:
-            return handler(args)
-        except OSError as err:
-            if err.errno not in USER_FS_ERRNOS:
-                raise
-            where = f" {err.filename}" if err.filename else ""
-            raise CliError(f"cannot write{where}: {err.strerror or err}") from err
-    return wrapped
-
+from smelt_jax.errors import UsageError
 
 def _check_value(key: str, old, value, annotation: str = ""):
     """`value` converted to the type of the field's current value `old`; ConfigError if it cannot be.
@@ -102,27 +79,12 @@ def apply_overrides(run: RunSpec, overrides: list[str]) -> RunSpec:
         raise ConfigError(f"--override {' '.join(overrides)}: {err}") from err
 
 
-def _one_line_warning(message, category, filename, lineno, line=None) -> str:
-    return f"smelt: warning: {message}\n"
-
-
 class _NoOrphanFutureErrors(logging.Filter):
     """asyncio's "Future/Task exception was never retrieved": orbax's background writers after a
     failed save, which the trainer reports itself (one line)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return "exception was never retrieved" not in str(record.msg)
-
-
-@contextlib.contextmanager
-def one_line_warnings():
-    """Warnings print as `smelt: warning: ...` (one line) inside the block."""
-    previous = warnings.formatwarning
-    warnings.formatwarning = _one_line_warning
-    try:
-        yield
-    finally:
-        warnings.formatwarning = previous
 
 
 _QUIETED = False
@@ -152,7 +114,7 @@ def _quiet_closed_loops() -> None:
 
 def parse_profile(text: str | None) -> tuple[int, int] | int | None:
     """`--profile STEPS` (the STEPS steps after the first one this process runs) or `START:STOP`
-    (steps START..STOP-1, absolute); ValueError (one line, exit 2) otherwise."""
+    (steps START..STOP-1, absolute); UsageError (one line, exit 2) otherwise."""
     if text is None:
         return None
     try:
@@ -161,21 +123,21 @@ def parse_profile(text: str | None) -> tuple[int, int] | int | None:
             return int(start), int(stop)
         return int(text)
     except ValueError:
-        raise ValueError(f"--profile {text!r}: expected STEPS or START:STOP (integers)") from None
+        raise UsageError(f"--profile {text!r}: expected STEPS or START:STOP (integers)") from None
 
 
 @filesystem_errors
 def cmd_train(args) -> int:
-    # Every option is checked before start-up (ValueError / ConfigError: one line, exit 2).
+    # Every option is checked before start-up (UsageError / ConfigError: one line, exit 2).
     from smelt_jax.train.trainer import TrainOptions
+    profile = parse_profile(args.profile)
     options = TrainOptions(log_every=args.log_every, checkpoint_every=args.checkpoint_every,
                            eval_every=args.eval_every, stop_after=args.stop_after,
-                           progress=not args.quiet, profile=parse_profile(args.profile),
-                           tensorboard=not args.no_tensorboard)
+                           progress=not args.quiet, profile=profile, tensorboard=not args.no_tensorboard)
     import experiments
     run = apply_overrides(experiments.find_run(args.id), args.override or [])
     if args.branch is not None and not 0 <= args.branch < len(run.schedule.fork_steps):
-        raise ValueError(f"--branch {args.branch}: {run.id} has branches 0..{len(run.schedule.fork_steps) - 1}")
+        raise UsageError(f"--branch {args.branch}: {run.id} has branches 0..{len(run.schedule.fork_steps) - 1}")
     from smelt_jax.parallel.layout import parse_layout
     parallelism = parse_layout(args.layout, run.parallelism) if args.layout else run.parallelism
     if args.remat:
@@ -201,7 +163,7 @@ def cmd_train(args) -> int:
         from smelt_jax.data.token_store import open_dataset
         corpus = open_dataset(args.data_dir)
         if corpus.tokenizer.vocab_size > run.model.vocab:
-            raise ValueError(f"--data-dir {args.data_dir}: its tokenizer has {corpus.tokenizer.vocab_size} "
+            raise UsageError(f"--data-dir {args.data_dir}: its tokenizer has {corpus.tokenizer.vocab_size} "
                              f"ids, the model's vocabulary {run.model.vocab}; use --override vocab=N")
     _quiet_closed_loops()
     try:
@@ -227,8 +189,8 @@ def register(subparsers) -> None:
                     "saving (SIGTERM/SIGINT or --stop-after; restart to resume), 3 non-finite loss.")
     p.add_argument("id", help="run id (smelt experiments list)")
     p.add_argument("--branch", type=int, help="decay branch index (forks at schedule.fork_steps[K])")
-    p.add_argument("--override", action="append", metavar="KEY=VALUE",
-                   help="change a model or schedule field (the run id changes with it)")
+    p.add_argument("--override", nargs="+", action="extend", metavar="KEY=VALUE",
+                   help="change model or schedule fields (the run id changes with them)")
     p.add_argument("--runs-dir", help="runs root: a local path or gs://... (default $SMELT_RUNS_DIR or ./runs)")
     p.add_argument("--data-dir", help="token store (smelt data prepare; local or gs://) or corpus folder "
                                        "(default: the embedded corpus)")

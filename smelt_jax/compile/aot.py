@@ -23,17 +23,18 @@ from typing import Any
 import jax
 
 from smelt_jax.compile.program_flops import program_flops
+from smelt_jax.errors import SmeltError, UsageError
 
 
 class TpuCompileError(RuntimeError):
     """The TPU compiler rejected a program (any reason other than running out of memory)."""
 
 
-class TpuOutOfMemory(TpuCompileError):
+class TpuOutOfMemory(SmeltError, TpuCompileError):
     """The program does not fit: HBM (`RESOURCE_EXHAUSTED`) or a Pallas kernel's VMEM blocks."""
 
 
-class LibTpuUnavailable(RuntimeError):
+class LibTpuUnavailable(SmeltError, RuntimeError):
     """libtpu cannot be loaded, so no TPU topology can be built on this machine."""
 
 
@@ -106,7 +107,7 @@ def topology_mesh(name: str, mesh_shape: Sequence[int], axis_names: Sequence[str
 
     devices = np.array(tpu_topology(name).devices)
     if int(np.prod(mesh_shape)) != devices.size:
-        raise ValueError(f"mesh shape {tuple(mesh_shape)} needs {int(np.prod(mesh_shape))} devices; "
+        raise UsageError(f"mesh shape {tuple(mesh_shape)} needs {int(np.prod(mesh_shape))} devices; "
                          f"topology {name} has {devices.size}")
     return jax.sharding.Mesh(devices.reshape(tuple(mesh_shape)), tuple(axis_names))
 

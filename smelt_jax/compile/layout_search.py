@@ -34,6 +34,7 @@ from smelt_jax.compile.report import (
     with_accounting,
 )
 from smelt_jax.descriptors import Parallelism, RunSpec, content_hash
+from smelt_jax.errors import UsageError
 from smelt_jax.hardware import parse_slice
 from smelt_jax.parallel.layout import run_key
 from smelt_jax.paths import checkout_root
@@ -339,7 +340,7 @@ def compile_suite(runs: Sequence[RunSpec], policy: SearchPolicy, *, suite: str,
     wanted = set(only)
     unknown = wanted - {r.scale for r in runs} - {run_key(r) for r in runs}
     if unknown:
-        raise ValueError(f"--only {sorted(unknown)}: not a scale or key of suite {suite}")
+        raise UsageError(f"--only {sorted(unknown)}: not a scale or key of suite {suite}")
     start = time.perf_counter()
     results = {}
     for i, run in enumerate(in_priority, 1):

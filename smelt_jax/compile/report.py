@@ -137,9 +137,8 @@ def analyse(report: CompileReport, program_flops_by_kind: dict[str, float] | Non
 
 # The expert backend a TPU run uses, decided as the TPU would run it on `mesh` (this machine's own
 # platform is the CPU, so the platform is named): kernels/backend.choose_expert_backend.
-def _tpu_config(run: RunSpec, remat: str, mesh: jax.sharding.Mesh):
-    return run.model.replace(remat=remat,
-                             expert_impl=choose_expert_backend(run.model.expert_impl, "tpu", mesh))
+def _tpu_config(run: RunSpec, mesh: jax.sharding.Mesh):
+    return run.model.replace(expert_impl=choose_expert_backend(run.model.expert_impl, "tpu", mesh))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,6 +148,7 @@ class _Program:
     tpu: Slice
     mesh: jax.sharding.Mesh
     cfg: Any
+    remat: str
     step: Any
     args: tuple
     in_shardings: tuple
@@ -164,16 +164,16 @@ def _program(run: RunSpec, slice_name: str, layout: Parallelism | None, remat: s
     layout = layout if layout is not None else run.parallelism
     remat = remat if remat is not None else layout.remat
     mesh = sharding.make_mesh(layout, aot.tpu_topology(tpu.topology_desc).devices)
-    cfg = _tpu_config(run, remat, mesh)
+    cfg = _tpu_config(run, mesh)
     schedule = run.schedule
     tx = optimizer(schedule)
-    plan = train_state.plan_training(cfg, tx, mesh)
+    plan = train_state.plan_training(cfg, tx, mesh, remat=remat)
     params, opt_state = plan.abstract_state()
     batch = plan.abstract_batch(schedule.batch_size, schedule.seq_len)
     lr = jax.ShapeDtypeStruct((), "float32", sharding=sharding.replicated(mesh))
     in_shardings, out_shardings = plan.step_shardings(schedule.batch_size, schedule.seq_len)
     return _Program(
-        tpu=tpu, mesh=mesh, cfg=cfg, step=make_train_step(plan.graphdef, cfg, tx),
+        tpu=tpu, mesh=mesh, cfg=cfg, remat=remat, step=make_train_step(plan.graphdef, cfg, tx),
         args=(params, opt_state, batch, lr), in_shardings=in_shardings, out_shardings=out_shardings,
         budget_flops=budget_lib.train_flops_per_token(cfg) * schedule.tokens_per_step / mesh.size)
 
@@ -215,7 +215,7 @@ def compile_run(run: RunSpec, slice_name: str, layout: Parallelism | None = None
     """
     program = _program(run, slice_name, layout, remat)
     tpu, cfg = program.tpu, program.cfg
-    base = {"run_id": run.id, "slice": slice_name, "layout": dict(program.mesh.shape), "remat": cfg.remat,
+    base = {"run_id": run.id, "slice": slice_name, "layout": dict(program.mesh.shape), "remat": program.remat,
             "expert_impl": cfg.expert_impl, "hbm_bytes": tpu.hbm_bytes}
     start = time.perf_counter()
     try:

@@ -33,6 +33,7 @@ import numpy as np
 from smelt_jax.data.inputs import PINNED_ARCHIVES, Archive, archive_table, fetch_inputs
 from smelt_jax.data.sources import DEFAULT_SOURCES, Roots, SourceSpec, collect_source
 from smelt_jax.data.tokenizer import DEFAULT_TOKENIZER, ByteTokenizer
+from smelt_jax.errors import SmeltError, UnknownName, UsageError
 from smelt_jax.paths import checkout_root
 
 CORPUS_VERSION = "smelt-default-v2"
@@ -43,7 +44,7 @@ MANIFEST_NAME = "manifest.json"
 SPLITS = ("train", "val")
 
 
-class CorpusError(RuntimeError):
+class CorpusError(SmeltError, RuntimeError):
     """A corpus folder that is missing, stale, or fails its checksums."""
 
 
@@ -66,15 +67,15 @@ class BuildConfig:
 
     def __post_init__(self) -> None:
         if not 0 < self.val_fraction < 1:
-            raise ValueError(f"val_fraction must lie in (0, 1), got {self.val_fraction}")
+            raise UsageError(f"val_fraction must lie in (0, 1), got {self.val_fraction}")
         names = [s.name for s in self.sources]
         if not names or len(set(names)) != len(names):
-            raise ValueError(f"source names must be non-empty and distinct, got {names}")
+            raise UsageError(f"source names must be non-empty and distinct, got {names}")
         for name in names:
             if not name.isidentifier():
-                raise ValueError(f"source name {name!r} must be an identifier (it names files and columns)")
+                raise UsageError(f"source name {name!r} must be an identifier (it names files and columns)")
         if self.max_document_bytes < 64:
-            raise ValueError(f"max_document_bytes must be >= 64, got {self.max_document_bytes}")
+            raise UsageError(f"max_document_bytes must be >= 64, got {self.max_document_bytes}")
 
     def to_dict(self) -> dict:
         origin = ({"inputs": [a.to_dict() for a in self.inputs]} if self.roots is None
@@ -404,7 +405,7 @@ class Corpus:
 
     def split(self, source: str, split: str) -> SplitArrays:
         if (source, split) not in self._arrays:
-            raise KeyError(f"no split {source}.{split}; sources are {list(self.sources)}, splits {SPLITS}")
+            raise UnknownName(f"no split {source}.{split}; sources are {list(self.sources)}, splits {SPLITS}")
         return self._arrays[(source, split)]
 
     def num_tokens(self, split: str) -> int:

@@ -18,6 +18,8 @@ import os
 import tempfile
 from pathlib import Path
 
+from smelt_jax.errors import MissingInput, UsageError
+
 GCS_PREFIX = "gs://"
 _WILDCARDS = "*?["
 
@@ -31,7 +33,7 @@ def split_gcs(url: str) -> tuple[str, str]:
     rest = str(url)[len(GCS_PREFIX):]
     bucket, _, key = rest.partition("/")
     if not bucket:
-        raise ValueError(f"{url!r} names no bucket (expected gs://BUCKET/PATH)")
+        raise UsageError(f"{url!r} names no bucket (expected gs://BUCKET/PATH)")
     return bucket, key
 
 
@@ -79,7 +81,7 @@ def read_bytes(url) -> bytes:
         bucket, key = split_gcs(text)
         result = _bucket(bucket).read(key).result()
         if result.state != "value":
-            raise FileNotFoundError(f"no object {text}")
+            raise MissingInput(f"no object {text}")
         return bytes(result.value)
     with open(text, "rb") as handle:
         return handle.read()
@@ -194,6 +196,6 @@ def expand(patterns, suffixes: tuple[str, ...] = ()) -> list[str]:
         else:
             matches = [u for u in list_files(text) if not suffixes or u.endswith(suffixes)]
         if not matches:
-            raise FileNotFoundError(f"no input files match {text!r}")
+            raise MissingInput(f"no input files match {text!r} (check the path; quote globs)")
         found.update(matches)
     return sorted(found)

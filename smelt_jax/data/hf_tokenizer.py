@@ -25,6 +25,7 @@ import numpy as np
 
 from smelt_jax.data import gcs
 from smelt_jax.data.tokenizer import DEFAULT_TOKENIZER, ByteTokenizer
+from smelt_jax.errors import SmeltError
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 _CANDIDATES = {
@@ -34,7 +35,7 @@ _CANDIDATES = {
 }
 
 
-class TokenizerError(ValueError):
+class TokenizerError(SmeltError, ValueError):
     """A tokenizer file that cannot be read, or lacks the special tokens a document needs."""
 
 

@@ -31,13 +31,15 @@ import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
+from smelt_jax.errors import SmeltError
+
 # Files above this size are never read by the sources (sources.MAX_FILE_BYTES); skip them at extraction.
 EXTRACT_MAX_BYTES = 1 << 20
 DOWNLOAD_ATTEMPTS = 4
 MIRROR_ENV = "SMELT_CORPUS_MIRROR"
 
 
-class InputError(RuntimeError):
+class InputError(SmeltError, RuntimeError):
     """An input archive that cannot be fetched, or whose bytes are not the pinned ones."""
 
 

@@ -40,6 +40,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from smelt_jax.errors import UsageError
+
 if TYPE_CHECKING:
     from smelt_jax.data.corpus import Corpus
     from smelt_jax.data.token_store import TokenStore
@@ -136,9 +138,9 @@ def _host_slice(batch_size: int, host_index: int | None, host_count: int | None)
         host_index = jax.process_index() if host_index is None else host_index
         host_count = jax.process_count() if host_count is None else host_count
     if host_count <= 0 or not 0 <= host_index < host_count:
-        raise ValueError(f"host_index {host_index} must lie in 0..host_count-1 (host_count {host_count})")
+        raise UsageError(f"host_index {host_index} must lie in 0..host_count-1 (host_count {host_count})")
     if batch_size % host_count:
-        raise ValueError(f"batch_size {batch_size} is not divisible by host_count {host_count}")
+        raise UsageError(f"batch_size {batch_size} is not divisible by host_count {host_count}")
     return host_index, host_count
 
 
@@ -152,7 +154,7 @@ class TrainPipeline:
                  host_index: int | None = None, host_count: int | None = None,
                  sources: Sequence[str] | None = None) -> None:
         if batch_size <= 0 or seq_len <= 0:
-            raise ValueError(f"batch_size ({batch_size}) and seq_len ({seq_len}) must be positive")
+            raise UsageError(f"batch_size ({batch_size}) and seq_len ({seq_len}) must be positive")
         self.corpus = corpus
         self.batch_size, self.seq_len, self.seed = batch_size, seq_len, int(seed)
         self.host_index, self.host_count = _host_slice(batch_size, host_index, host_count)
@@ -162,8 +164,8 @@ class TrainPipeline:
         self.tokens_per_epoch = int(self.table.length.sum())
         self.rows_per_epoch = self.tokens_per_epoch // seq_len
         if self.rows_per_epoch < 1:
-            raise ValueError(f"the training split holds {self.tokens_per_epoch} tokens, fewer than one "
-                             f"row of seq_len {seq_len}")
+            raise UsageError(f"the training split holds {self.tokens_per_epoch} tokens, fewer than one "
+                             f"row of seq_len {seq_len}; give more data or a shorter seq_len")
         self.pad_id = corpus.tokenizer.pad_id
         self._plans: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
@@ -242,13 +244,13 @@ class ValidationSet:
                  host_index: int | None = None, host_count: int | None = None,
                  max_tokens: int | None = None) -> None:
         if batch_size <= 0 or seq_len <= 0:
-            raise ValueError(f"batch_size ({batch_size}) and seq_len ({seq_len}) must be positive")
+            raise UsageError(f"batch_size ({batch_size}) and seq_len ({seq_len}) must be positive")
         self.source, self.batch_size, self.seq_len = source, batch_size, seq_len
         self.host_index, self.host_count = _host_slice(batch_size, host_index, host_count)
         self.local_batch_size = batch_size // self.host_count
         self.table = DocumentTable.from_corpus(corpus, "val", [source])
         if self.table.num_documents == 0:
-            raise ValueError(f"source {source!r} has no validation documents")
+            raise UsageError(f"source {source!r} has no validation documents")
         self.order = np.arange(self.table.num_documents, dtype=np.int64)
         self.cumulative = np.zeros(self.order.size + 1, dtype=np.int64)
         np.cumsum(self.table.length, out=self.cumulative[1:])

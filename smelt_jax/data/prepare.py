@@ -38,6 +38,7 @@ import numpy as np
 
 from smelt_jax.data import gcs
 from smelt_jax.data import token_store as tsd
+from smelt_jax.errors import SmeltError, UsageError
 
 INPUT_SUFFIXES = (".jsonl", ".json", ".ndjson", ".jsonl.zst", ".json.zst", ".zst", ".jsonl.gz", ".gz",
                   ".parquet")
@@ -57,9 +58,9 @@ class PrepareConfig:
 
     def __post_init__(self) -> None:
         if self.layout not in tsd.LAYOUTS:
-            raise ValueError(f"layout must be one of {tsd.LAYOUTS}, got {self.layout!r}")
+            raise UsageError(f"layout must be one of {tsd.LAYOUTS}, got {self.layout!r}")
         if not 0 < self.val_fraction < 1:
-            raise ValueError(f"val_fraction must lie in (0, 1), got {self.val_fraction}")
+            raise UsageError(f"val_fraction must lie in (0, 1), got {self.val_fraction}")
 
     def part_key(self, tokenizer_identity: str) -> str:
         """What decides a part's content (the split and dedup are applied at assembly)."""
@@ -69,7 +70,7 @@ class PrepareConfig:
         return hashlib.sha256(text.encode()).hexdigest()
 
 
-class PrepareError(RuntimeError):
+class PrepareError(SmeltError, RuntimeError):
     """Nothing usable to prepare (no inputs, every shard failed, no documents)."""
 
 
@@ -83,7 +84,7 @@ def _decompress(url: str, data: bytes) -> bytes:
             frame = zstandard.ZstdDecompressor().decompressobj()
             pieces.append(frame.decompress(rest))
             if not frame.eof:
-                raise ValueError("truncated zstd stream (the last frame does not end)")
+                raise UsageError("truncated zstd stream (the last frame does not end)")
             rest = frame.unused_data
         return b"".join(pieces)
     if url.endswith(".gz"):
@@ -102,7 +103,7 @@ def read_records(url: str, data: bytes) -> Iterator[tuple[int, object]]:
             yield row + 1, {name: values[row] for name, values in columns.items()}
         return
     if not url.endswith(INPUT_SUFFIXES):
-        raise ValueError(f"unknown input format (expected one of {', '.join(INPUT_SUFFIXES)})")
+        raise UsageError(f"unknown input format (expected one of {', '.join(INPUT_SUFFIXES)})")
     text = _decompress(url, data)
     for number, line in enumerate(text.split(b"\n"), start=1):
         if not line.strip():
@@ -376,7 +377,7 @@ def prepare(inputs: list[str], out, tokenizer, config: PrepareConfig | None = No
     if subset is not None:
         index, count = subset
         if not 0 <= index < count:
-            raise ValueError(f"subset {index}/{count}: expected 0 <= I < N")
+            raise UsageError(f"subset {index}/{count}: expected 0 <= I < N")
         urls = urls[index::count]
 
     # Phase 1 ----------------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ import numpy as np
 
 from smelt_jax.data import gcs
 from smelt_jax.data.corpus import SPLITS, SplitArrays
+from smelt_jax.errors import SmeltError, UnknownName
 
 STORE_FORMAT = "smelt-token-store/1"
 MANIFEST_NAME = "manifest.json"
@@ -47,7 +48,7 @@ SMALL_CHUNK = 1 << 20
 READ_GAP = 1 << 14  # index runs closer than this are read as one range
 
 
-class StoreError(ValueError):
+class StoreError(SmeltError, ValueError):
     """A token store that is missing, incomplete, of another tokenizer, or fails its digests."""
 
 
@@ -318,7 +319,7 @@ class TokenStore:
 
     def document_ids(self, source: str, split: str) -> np.ndarray:
         if source not in self._names or split not in SPLITS:
-            raise KeyError(f"no split {source}.{split}; sources are {list(self.sources)}, splits {SPLITS}")
+            raise UnknownName(f"no split {source}.{split}; sources are {list(self.sources)}, splits {SPLITS}")
         return read_array(self.root, f"by_source/{self._names.index(source):04d}/{split}").astype(np.int64)
 
     def split(self, source: str, split: str) -> SplitArrays:

@@ -17,6 +17,8 @@ import dataclasses
 
 import numpy as np
 
+from smelt_jax.errors import UsageError
+
 TOKENIZER_VERSION = "bytes-v1"
 
 
@@ -33,9 +35,9 @@ class ByteTokenizer:
     def __post_init__(self) -> None:
         specials = (self.bos_id, self.eos_id, self.pad_id)
         if len(set(specials)) != 3 or min(specials) < 256:
-            raise ValueError(f"special ids {specials} must be distinct and >= 256 (0..255 are bytes)")
+            raise UsageError(f"special ids {specials} must be distinct and >= 256 (0..255 are bytes)")
         if self.vocab_size <= max(specials) or self.vocab_size > 2**16:
-            raise ValueError(f"vocab_size {self.vocab_size} must exceed the specials and fit uint16")
+            raise UsageError(f"vocab_size {self.vocab_size} must exceed the specials and fit uint16")
 
     def encode(self, text: str | bytes) -> np.ndarray:
         """UTF-8 bytes of `text` as token ids: uint16 [len(bytes)]."""

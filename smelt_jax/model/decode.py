@@ -15,13 +15,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 from smelt_jax.config import ModelConfig
+from smelt_jax.errors import UsageError
 from smelt_jax.model.decoder import Decoder, stack_layers
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> dict:
     """An empty cache for `batch` rows of up to `max_len` tokens."""
     if batch <= 0 or max_len <= 0:
-        raise ValueError(f"batch ({batch}) and max_len ({max_len}) must be positive")
+        raise UsageError(f"batch ({batch}) and max_len ({max_len}) must be positive")
     slot = (batch, max_len, cfg.n_kv_heads, cfg.head_dim)
     cache = {"segment_ids": jnp.zeros((batch, max_len), jnp.int32),
              "index": jnp.zeros((), jnp.int32)}
@@ -50,7 +51,7 @@ def extend(model: Decoder, tokens: jax.Array, segment_ids: jax.Array, positions:
     """
     max_len = cache["segment_ids"].shape[1]
     if not isinstance(cache["index"], jax.core.Tracer) and int(cache["index"]) + tokens.shape[1] > max_len:
-        raise ValueError(f"cache full: index {int(cache['index'])} + {tokens.shape[1]} tokens "
+        raise UsageError(f"cache full: index {int(cache['index'])} + {tokens.shape[1]} tokens "
                          f"> max_len {max_len}")
     logits, _, new_cache = model.forward(tokens, segment_ids, positions, cache=cache)
     return logits, new_cache

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from smelt_jax.config import ModelConfig
+from smelt_jax.config import REMAT_POLICIES, ModelConfig
 from smelt_jax.model.attention import INIT_STD, truncated_normal
 from smelt_jax.model.layer import make_stack, run_stack
 from smelt_jax.model.norm import RMSNorm
@@ -31,10 +31,15 @@ def stack_layers(cfg: ModelConfig) -> dict[str, range]:
 
 
 class Decoder(nnx.Module):
-    """`Decoder(cfg, rngs=nnx.Rngs(seed))`; call with tokens, segment_ids, positions [b, s] int32."""
+    """`Decoder(cfg, rngs=nnx.Rngs(seed), remat=policy)`; call with tokens, segment_ids, positions
+    [b, s] int32. `remat` (config.REMAT_POLICIES) is how the layers are executed, not what they
+    compute: the run's layout chooses it (descriptors.Parallelism.remat)."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, remat: str = "none"):
+        if remat not in REMAT_POLICIES:
+            raise ValueError(f"remat {remat!r} not in {REMAT_POLICIES}")
         self.cfg = cfg
+        self.remat = remat
         dtype = jnp.dtype(cfg.param_dtype)
         self.embedding = param(truncated_normal(rngs, (cfg.vocab, cfg.d_model), INIT_STD, dtype),
                                ("vocab", "embed"))
@@ -82,7 +87,7 @@ class Decoder(nnx.Module):
             segments = jax.lax.dynamic_update_slice(cache["segment_ids"],
                                                     segment_ids.astype(jnp.int32), (0, index))
             shared_cache = {"segment_ids": segments, "index": index}
-        run = {"shared_cache": shared_cache, "capture": capture, "remat": cfg.remat,
+        run = {"shared_cache": shared_cache, "capture": capture, "remat": self.remat,
                "unroll": self.unroll_layers}
         stats, captures, new_cache = {}, {}, {}
         if self.prefix is not None:

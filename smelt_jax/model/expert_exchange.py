@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from smelt_jax import sharding
+from smelt_jax.errors import UsageError
 from smelt_jax.kernels.backend import EXPERT_AXIS
 from smelt_jax.kernels.experts import expert_ffn
 from smelt_jax.model.dispatch import Dispatch
@@ -130,7 +131,8 @@ def exchanged_expert_outputs(tokens: jax.Array, plan: Dispatch, w_gate: jax.Arra
     n_ep = mesh.shape[EXPERT_AXIS]
     n_experts = w_gate.shape[0]
     if n_experts % n_ep:
-        raise ValueError(f"{n_experts} experts do not split over expert axis of size {n_ep}")
+        raise UsageError(f"{n_experts} experts do not split over expert axis of size {n_ep}; choose a --layout "
+                         "expert size that divides the expert count")
     total = tokens.shape[0]
     top_k = plan.expert_ids.shape[1]
     axes = token_axes(mesh)

@@ -12,6 +12,8 @@ from collections.abc import Mapping
 
 import jax
 
+from smelt_jax.errors import UsageError
+
 # Environment variables whose presence means "this process is one of several that JAX can find".
 _CLUSTER_MARKERS = (
     ("JAX_COORDINATOR_ADDRESS", "JAX_COORDINATOR_ADDRESS is set"),
@@ -42,10 +44,10 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     """
     given = [coordinator is not None, num_processes is not None, process_id is not None]
     if any(given) and not all(given):
-        raise ValueError("--coordinator, --num-processes and --process-id go together")
+        raise UsageError("--coordinator, --num-processes and --process-id go together")
     if all(given):
         if not 0 <= process_id < num_processes:
-            raise ValueError(f"process id {process_id} outside 0..{num_processes - 1}")
+            raise UsageError(f"process id {process_id} outside 0..{num_processes - 1}")
         jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
                                    process_id=process_id)
         return f"explicit: process {process_id} of {num_processes} via {coordinator}"

@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 from smelt_jax.descriptors import Parallelism, RunSpec
+from smelt_jax.errors import UsageError
 
 AXES = ("data", "fsdp", "expert", "tensor")
 
@@ -20,11 +21,11 @@ def parse_layout(text: str, base: Parallelism | None = None) -> Parallelism:
     for item in filter(None, (part.strip() for part in text.split(","))):
         name, sep, value = item.partition("=")
         if not sep or name not in AXES:
-            raise ValueError(f"layout item {item!r}: want AXIS=SIZE with AXIS in {AXES}")
+            raise UsageError(f"layout item {item!r}: want AXIS=SIZE with AXIS in {AXES}")
         try:
             changes[name] = int(value)
         except ValueError:
-            raise ValueError(f"layout item {item!r}: size must be an integer (-1 = fill the rest)") from None
+            raise UsageError(f"layout item {item!r}: size must be an integer (-1 = fill the rest)") from None
     return dataclasses.replace(base, **changes)
 
 

@@ -23,6 +23,7 @@ import numpy as np
 
 from smelt_jax.scaling import lbfgs
 from smelt_jax.scaling.laws import ChinchillaLaw
+from smelt_jax.errors import UsageError
 
 HUBER_DELTA = 1e-3
 # Hoffmann et al.'s unrounded estimates in the raw order (log E, log A, log B, alpha, beta); Epoch's BFGS start.
@@ -186,7 +187,8 @@ def _select_best(law, features, loss, out, delta, index=0) -> FitResult:
     if not np.isfinite(usable).any():
         usable = np.where(np.isfinite(obj), obj, np.inf)
     if not np.isfinite(usable).any():
-        raise ValueError(f"{law.name} fit failed: no start reached a finite objective")
+        raise UsageError(f"{law.name} fit failed: no start reached a finite objective (the table's values are "
+                         "degenerate for this law; check its columns and units)")
     best = int(np.argmin(usable))
     raw = out["raw"][index, best]
     grad_norm = float(out["grad_norm"][index, best])
@@ -213,7 +215,8 @@ def fit_huber_likelihood(law, features, loss, init=None, *, delta=HUBER_DELTA) -
 
     if init is None:
         if law is not ChinchillaLaw:
-            raise ValueError("fit_huber_likelihood needs an init for laws other than Chinchilla")
+            raise UsageError("the huber-likelihood method needs starting values (init) for laws other than "
+                             "Chinchilla; fit this law with the huber method")
         init = HOFFMANN_RAW
     loss = np.asarray(loss, np.float64)
     with jax.enable_x64(True):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from smelt_jax.scaling.laws import SmeltLaw
+from smelt_jax.errors import UsageError
 
 # Far above any training run (all of today's computing is ~1e30 FLOP/year); beyond it the frontier
 # losses are numerically at E and the gains (1 - C/C_ref) are artefacts (-4e271 at C=1e300).
@@ -44,7 +45,7 @@ def gain_rows(reference: SmeltLaw, target: SmeltLaw, computes, sparsities, *, co
     computes = [float(v) for v in computes]
     bad = [v for v in computes if not (np.isfinite(v) and 0 < v <= MAX_COMPUTE)]
     if bad:
-        raise ValueError(f"compute must be positive and finite FLOPs, at most {MAX_COMPUTE:g}; got {bad}")
+        raise UsageError(f"compute must be positive and finite FLOPs, at most {MAX_COMPUTE:g}; got {bad}")
     rows = []
     for c in sorted(computes):
         for s in sorted(float(v) for v in sparsities):
@@ -80,10 +81,10 @@ def sigmoid_calibration(loss, score, direction: int):
     from scipy.special import expit
 
     if direction not in (1, -1):
-        raise ValueError("direction d must be +1 or -1")
+        raise UsageError("direction d must be +1 or -1")
     loss, score = np.asarray(loss, float), np.asarray(score, float)
     if len(loss) < 5 or len(loss) != len(score):
-        raise ValueError("calibration needs at least 5 paired (loss, score) points")
+        raise UsageError("calibration needs at least 5 paired (loss, score) points")
 
     def residual(p):
         b, log_a, log_alpha, tau = p
@@ -112,5 +113,5 @@ def equal_loss_residuals(calibration: dict, loss, score, sign: int):
     """delta = s (y - y_hat(l)): > 0 when the model beats a calibration-set model of the same loss
     (s = -1 for Completion-type scores, where lower is better; +1 for accuracies)."""
     if sign not in (1, -1):
-        raise ValueError("sign s must be +1 or -1")
+        raise UsageError("sign s must be +1 or -1")
     return sign * (np.asarray(score, float) - calibrated_score(calibration, loss))

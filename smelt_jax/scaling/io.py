@@ -11,6 +11,7 @@ import pandas as pd
 
 from smelt_jax.paths import REFERENCE_DATA
 from smelt_jax.scaling.laws import LAWS, law_from_dict
+from smelt_jax.errors import MissingInput, UsageError
 
 # Columns each law's fit needs; `loss` always, `cell` for the cell bootstrap (optional for Chinchilla and
 # the looped law: each row is then its own cell).
@@ -30,47 +31,47 @@ class DuplicateRowsWarning(UserWarning):
 def read_table(path) -> pd.DataFrame:
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"input table {path} does not exist")
+        raise MissingInput(f"input table {path} does not exist")
     if path.suffix == ".csv":
         return pd.read_csv(path)
     if path.suffix in (".parquet", ".pq"):
         return pd.read_parquet(path)
-    raise ValueError(f"input table {path}: expected .csv or .parquet")
+    raise UsageError(f"input table {path}: expected .csv or .parquet")
 
 
 def validate(table: pd.DataFrame, law_name: str, source: str = "table") -> pd.DataFrame:
     """Check columns, values and size for `law_name`; returns the table with a `cell` column."""
     if law_name not in REQUIRED:
-        raise ValueError(f"unknown law {law_name!r}; choose one of {sorted(REQUIRED)}")
+        raise UsageError(f"unknown law {law_name!r}; choose one of {sorted(REQUIRED)}")
     missing = [c for c in REQUIRED[law_name] if c not in table.columns]
     if missing:
-        raise ValueError(f"{source}: missing column(s) {missing} for the {law_name} law "
+        raise UsageError(f"{source}: missing column(s) {missing} for the {law_name} law "
                          f"(needs {list(REQUIRED[law_name])})")
     numeric = [c for c in REQUIRED[law_name] if c not in ("arch", "cell")]
     for col in numeric:
         values = pd.to_numeric(table[col], errors="coerce")
         bad = ~np.isfinite(values.to_numpy(float))
         if bad.any():
-            raise ValueError(f"{source}: column {col!r} has NaN, infinite or non-numeric values in "
+            raise UsageError(f"{source}: column {col!r} has NaN, infinite or non-numeric values in "
                              f"rows {np.flatnonzero(bad)[:5].tolist()}")
         huge = np.abs(values.to_numpy(float)) > MAX_MAGNITUDE
         if huge.any():
-            raise ValueError(f"{source}: column {col!r} has values beyond {MAX_MAGNITUDE:g} in rows "
+            raise UsageError(f"{source}: column {col!r} has values beyond {MAX_MAGNITUDE:g} in rows "
                              f"{np.flatnonzero(huge)[:5].tolist()} (e.g. {values[huge].iloc[0]:g}); a typo?")
     for col in POSITIVE[law_name]:
         bad = table[col].to_numpy(float) <= 0
         if bad.any():
-            raise ValueError(f"{source}: column {col!r} must be > 0; rows {np.flatnonzero(bad)[:5].tolist()}")
+            raise UsageError(f"{source}: column {col!r} must be > 0; rows {np.flatnonzero(bad)[:5].tolist()}")
     if law_name == "smelt":
         s = table["S"].to_numpy(float)
         if ((s < 0) | (s >= 1)).any():
-            raise ValueError(f"{source}: column 'S' must lie in [0, 1)")
+            raise UsageError(f"{source}: column 'S' must lie in [0, 1)")
     if law_name == "looped" and (table["r"].to_numpy(float) < 1).any():
-        raise ValueError(f"{source}: column 'r' must be >= 1")
+        raise UsageError(f"{source}: column 'r' must be >= 1")
     warn_duplicates(table, law_name, source)
     n_params = len(LAWS[law_name].param_names)
     if len(table) <= n_params:
-        raise ValueError(f"{source}: {len(table)} rows is too few to fit the {n_params} parameters of the "
+        raise UsageError(f"{source}: {len(table)} rows is too few to fit the {n_params} parameters of the "
                          f"{law_name} law (need more than {n_params})")
     table = table.copy()
     if "cell" not in table.columns:
@@ -106,8 +107,8 @@ def chinchilla_table(csv_path=None, drop_highest: int = 5) -> tuple[pd.DataFrame
     """
     path = Path(csv_path) if csv_path else CHINCHILLA_CSV
     if not path.exists():
-        raise FileNotFoundError(f"Chinchilla data not found at {path} (it ships as package data in "
-                                "smelt_jax/reference_data/chinchilla/; see that folder's README)")
+        raise MissingInput(f"Chinchilla data not found at {path} (it ships as package data in "
+                           "smelt_jax/reference_data/chinchilla/; see that folder's README)")
     raw = pd.read_csv(path)
     loss = raw["loss"].to_numpy(float)
     kept = np.flatnonzero(loss < np.sort(loss)[-drop_highest]) if drop_highest else np.arange(len(raw))
@@ -122,10 +123,13 @@ def load_coefficients(path) -> dict:
     if path.is_dir():
         path = path / "coefficients.json"
     if not path.exists():
-        raise FileNotFoundError(f"no coefficients at {path}")
-    data = json.loads(path.read_text())
-    if "law" not in data:
-        raise ValueError(f"{path}: missing 'law'")
+        raise MissingInput(f"no coefficients at {path} (write them with `smelt fit`)")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise UsageError(f"{path}: not valid JSON ({err})") from None
+    if not isinstance(data, dict) or "law" not in data:
+        raise UsageError(f"{path}: missing 'law'")
     data["_law"] = law_from_dict(data["law"], data)
     data["_path"] = str(path)
     return data

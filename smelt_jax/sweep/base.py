@@ -26,6 +26,7 @@ from typing import Protocol
 from smelt_jax.rundir import results_path, run_dir
 from smelt_jax.sweep.graph import Job, JobGraph, JobStatus, artifact_statuses
 from smelt_jax.sweep.tpu import layout_args
+from smelt_jax.errors import SmeltError, UsageError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,9 +83,9 @@ class CloudSettings:
 
     def __post_init__(self) -> None:
         if not self.bucket.startswith("gs://"):
-            raise ValueError(f"--bucket must be a gs:// path, got {self.bucket!r}")
+            raise UsageError(f"--bucket must be a gs:// path, got {self.bucket!r}")
         if self.max_restarts < 0:
-            raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
+            raise UsageError(f"max_restarts must be >= 0, got {self.max_restarts}")
 
     @property
     def runs_dir(self) -> str:
@@ -142,20 +143,24 @@ def write_plan(planned: list[PlannedJob], out_dir: Path, header: str) -> Path:
     return script
 
 
+class MissingTool(SmeltError, RuntimeError):
+    """A command-line tool a backend needs (xpk, gcloud, kubectl) is not on PATH."""
+
+
 def require_tool(tool: str, hint: str) -> None:
     if shutil.which(tool) is None:
-        raise RuntimeError(f"`{tool}` is not installed or not on PATH; {hint}. "
-                           "Without --submit nothing is run, and the commands are written out.")
+        raise MissingTool(f"`{tool}` is not installed or not on PATH; {hint}. "
+                          "Without --submit nothing is run, and the commands are written out.")
 
 
 def execute_ready(planned: list[PlannedJob], statuses: dict[str, JobStatus], settings: CloudSettings,
                   tool: str, hint: str,
                   fields: tuple[str, ...] = ("image", "bucket", "project", "zone")) -> int:
     """Runs the commands of READY jobs; reports the others. Returns the number of failed submissions.
-    Refuses first (ValueError, one line) while any of `fields` is a placeholder, then a missing tool."""
+    Refuses first (UsageError, one line) while any of `fields` is a placeholder, then a missing tool."""
     problem = settings.submit_problem(fields)
     if problem:
-        raise ValueError(problem)
+        raise UsageError(problem)
     require_tool(tool, hint)
     failures = 0
     for job in planned:

@@ -37,6 +37,7 @@ from smelt_jax.rundir import (
     run_dir,
     runs_root,
 )
+from smelt_jax.errors import UnknownName
 
 # JobSet names child Jobs `<jobset>-<replicated job>-<index>` and Pods add `-<index>-<5 chars>`, all
 # within 63 characters; xpk also caps workload names. 40 leaves room for both.
@@ -139,7 +140,7 @@ class JobGraph:
         by_name = self.by_name
         unknown = sorted(set(names) - set(by_name))
         if unknown:
-            raise KeyError(f"no job(s) {unknown} in suite {self.suite!r}")
+            raise UnknownName(f"no job(s) {unknown} in suite {self.suite!r}")
         return [by_name[n] for n in names]
 
 

@@ -26,6 +26,7 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from smelt_jax.errors import SmeltError, UsageError
 from smelt_jax.rundir import runs_root
 from smelt_jax.sweep.base import PlannedJob, quote
 from smelt_jax.sweep.collect import collect_suite
@@ -43,7 +44,7 @@ DEFAULT_COMMAND = (sys.executable, "-m", "smelt_jax")
 REFRESH_SECONDS = 2.0  # how often free slots look for branches that became ready mid-run
 
 
-class SweepError(RuntimeError):
+class SweepError(SmeltError, RuntimeError):
     """A local sweep ended with jobs that are not done."""
 
 
@@ -58,9 +59,9 @@ class LocalSettings:
 
     def __post_init__(self) -> None:
         if self.parallel < 1:
-            raise ValueError(f"--parallel must be >= 1, got {self.parallel}")
+            raise UsageError(f"--parallel must be >= 1, got {self.parallel}")
         if not self.command:
-            raise ValueError("the trainer command must not be empty")
+            raise UsageError("the trainer command must not be empty")
 
     @property
     def runs_root(self) -> Path:
@@ -352,7 +353,7 @@ class LocalBackend:
                execute: bool = True) -> list[str]:
         """Stops the live sweep of the suite (SIGTERM: its trainers save and exit 42)."""
         if names:
-            raise ValueError("the local backend cancels a whole sweep, not single jobs")
+            raise UsageError("the local backend cancels a whole sweep, not single jobs")
         root = self.settings.runs_root
         pid = load_state(graph.suite, root).get("sweep_pid")
         if not sweep_alive(graph.suite, root) or not pid:

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
-
-from smelt_jax.paths import REFERENCE_DATA
 from typing import Any
+
+from smelt_jax.errors import MissingInput
+from smelt_jax.paths import REFERENCE_DATA
 
 JOBSET_CRD = REFERENCE_DATA / "jobset" / "jobset.x-k8s.io_jobsets.yaml"
 JOBSET_VERSION = "v1alpha2"
@@ -45,7 +46,7 @@ def jobset_schema(crd_path: Path = JOBSET_CRD) -> dict:
     """The strict `v1alpha2` JobSet schema; a clear error when the CRD file is missing."""
     import yaml
     if not crd_path.is_file():
-        raise FileNotFoundError(
+        raise MissingInput(
             f"JobSet CRD not found at {crd_path}; it ships as package data "
             "(smelt_jax/reference_data/jobset/): reinstall the package")
     crd = yaml.safe_load(crd_path.read_text())

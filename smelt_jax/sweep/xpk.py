@@ -29,6 +29,7 @@ from smelt_jax.sweep.base import (
 from smelt_jax.sweep.graph import Job, JobGraph, JobStatus
 from smelt_jax.sweep.schema import validate_jobset
 from smelt_jax.sweep.tpu import tpu_slice, tpu_type_for
+from smelt_jax.errors import UsageError
 
 RESTART_EXIT_CODE = 42
 CONTAINER = "trainer"
@@ -104,10 +105,10 @@ def cluster_for(settings: CloudSettings, tpu_type: str) -> str:
     for part in settings.cluster.split(","):
         key, sep, name = part.partition("=")
         if not sep or not key.strip() or not name.strip():
-            raise ValueError(f"--cluster {settings.cluster!r}: give NAME, or TPU_TYPE=NAME,TPU_TYPE=NAME")
+            raise UsageError(f"--cluster {settings.cluster!r}: give NAME, or TPU_TYPE=NAME,TPU_TYPE=NAME")
         clusters[key.strip()] = name.strip()
     if tpu_type not in clusters:
-        raise ValueError(f"--cluster {settings.cluster!r} names no cluster for {tpu_type}, which this "
+        raise UsageError(f"--cluster {settings.cluster!r} names no cluster for {tpu_type}, which this "
                          f"suite's jobs need (add {tpu_type}=NAME)")
     return clusters[tpu_type]
 

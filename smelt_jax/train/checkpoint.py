@@ -45,6 +45,7 @@ import jax
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers
 
+from smelt_jax.errors import SmeltError
 from smelt_jax.rundir import (
     CHECKSUM_FILE,
     DAMAGED_SUFFIX,
@@ -69,7 +70,7 @@ def _move_objects(source: str, target: str) -> None:
         gcs.delete(url)
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(SmeltError, RuntimeError):
     """No usable checkpoint (all candidates missing or damaged)."""
 
 

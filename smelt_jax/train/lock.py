@@ -34,13 +34,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol
 
+from smelt_jax.errors import SmeltError
+
 LOCK_NAME = "trainer.lock"
 HEARTBEAT_SECONDS = 15.0
 STALE_SECONDS = 300.0
 UNREADABLE_STALE_SECONDS = 30.0  # an empty or garbled lock file (its writer died creating it)
 
 
-class LockHeld(RuntimeError):
+class LockHeld(SmeltError, RuntimeError):
     """Another live trainer holds the phase's lock (a user error: one line, exit 2)."""
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from smelt_jax.config import Schedule
+from smelt_jax.errors import UsageError
 
 
 def phase_steps(schedule: Schedule, branch: int | None) -> tuple[int, int]:
@@ -12,7 +13,7 @@ def phase_steps(schedule: Schedule, branch: int | None) -> tuple[int, int]:
     if branch is None:
         return 0, schedule.stable_steps
     if not 0 <= branch < len(schedule.fork_steps):
-        raise ValueError(f"branch {branch} outside 0..{len(schedule.fork_steps) - 1}")
+        raise UsageError(f"branch {branch} outside 0..{len(schedule.fork_steps) - 1}")
     return schedule.fork_steps[branch], schedule.branch_end_step(branch)
 
 

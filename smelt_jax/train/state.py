@@ -77,27 +77,30 @@ class TrainPlan:
                 jax.tree.map(with_sharding, self.abstract_opt_state, self.opt_shardings))
 
 
-def _decoder(cfg: ModelConfig, seed: int):
+def _decoder(cfg: ModelConfig, seed: int, remat: str = "none"):
     from smelt_jax.model import Decoder
-    return Decoder(cfg, rngs=nnx.Rngs(seed))
+    return Decoder(cfg, rngs=nnx.Rngs(seed), remat=remat)
 
 
-def init_params(cfg: ModelConfig, seed: int) -> tuple[nnx.GraphDef, nnx.State]:
-    """Model graph definition and freshly initialised parameters, on the default device (no mesh)."""
-    return nnx.split(_decoder(cfg, seed))
+def init_params(cfg: ModelConfig, seed: int, remat: str = "none") -> tuple[nnx.GraphDef, nnx.State]:
+    """Model graph definition and freshly initialised parameters, on the default device (no mesh).
+    `remat` changes the graph definition (how layers run), never the parameters."""
+    return nnx.split(_decoder(cfg, seed, remat))
 
 
-def abstract_train_state(cfg: ModelConfig, tx: optax.GradientTransformation) -> tuple[Any, dict]:
+def abstract_train_state(cfg: ModelConfig, tx: optax.GradientTransformation, remat: str = "none"
+                         ) -> tuple[Any, dict]:
     """(graphdef, {'params', 'opt_state'} as ShapeDtypeStructs without shardings): the checkpoint's
     structure, nothing allocated. `TrainPlan.restore_target` adds the mesh's shardings."""
-    graphdef, params = nnx.split(nnx.eval_shape(lambda: _decoder(cfg, 0)))
+    graphdef, params = nnx.split(nnx.eval_shape(lambda: _decoder(cfg, 0, remat)))
     return graphdef, {"params": params, "opt_state": jax.eval_shape(tx.init, params)}
 
 
-def plan_training(cfg: ModelConfig, tx: optax.GradientTransformation, mesh: jax.sharding.Mesh
-                  ) -> TrainPlan:
-    """Shapes and shardings of params and optimizer state for `cfg` on `mesh` (nothing allocated)."""
-    graphdef, abstract = abstract_train_state(cfg, tx)
+def plan_training(cfg: ModelConfig, tx: optax.GradientTransformation, mesh: jax.sharding.Mesh, *,
+                  remat: str = "none") -> TrainPlan:
+    """Shapes and shardings of params and optimizer state for `cfg` on `mesh` (nothing allocated);
+    the train step runs its layers under the `remat` policy (the run's layout chooses it)."""
+    graphdef, abstract = abstract_train_state(cfg, tx, remat)
     abstract_params, abstract_opt_state = abstract["params"], abstract["opt_state"]
     params_shardings = sharding.param_shardings(abstract_params, mesh)
     opt_shardings = sharding.opt_state_shardings(tx, abstract_opt_state, params_shardings, mesh)

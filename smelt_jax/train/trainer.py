@@ -26,9 +26,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from smelt_jax import budget as budget_lib
-from smelt_jax import hardware
-from smelt_jax import sharding
+from smelt_jax import hardware, sharding
 from smelt_jax.descriptors import Parallelism, RunSpec
+from smelt_jax.errors import SmeltError, UsageError
 from smelt_jax.rundir import RunDir, results_dir, run_dir
 from smelt_jax.train import lr as lr_lib
 from smelt_jax.train.step import optimizer
@@ -41,7 +41,7 @@ class Preempted(Exception):
     """Stopped on request after saving a checkpoint; restart to resume."""
 
 
-class NonFiniteLoss(RuntimeError):
+class NonFiniteLoss(SmeltError, RuntimeError):
     """The loss became NaN or infinite; the last good checkpoint is kept."""
 
 
@@ -63,20 +63,20 @@ class TrainOptions:
     tensorboard: bool = True  # event files in <phase>/tensorboard/ (smelt_jax.train.tensorboard)
 
     def __post_init__(self) -> None:
-        """Bad options fail here, before any start-up work (ValueError: one line, exit 2)."""
+        """Bad options fail here, before any start-up work (UsageError: one line, exit 2)."""
         minimum = {"log_every": 1, "checkpoint_every": 1, "eval_every": 0, "eval_tokens": 1,
                    "eval_batch_size": 1, "max_to_keep": 1}
         for name, low in minimum.items():
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"--{name.replace('_', '-')} must be an integer >= {low}, got {value!r}")
+                raise UsageError(f"--{name.replace('_', '-')} must be an integer >= {low}, got {value!r}")
         if self.stop_after is not None and (isinstance(self.stop_after, bool)
                                             or not isinstance(self.stop_after, int)
                                             or self.stop_after < 1):
-            raise ValueError(f"--stop-after must be an integer >= 1, got {self.stop_after!r}")
+            raise UsageError(f"--stop-after must be an integer >= 1, got {self.stop_after!r}")
         if self.peak_flops is not None and not (isinstance(self.peak_flops, (int, float))
                                                 and 0 < self.peak_flops < float("inf")):
-            raise ValueError(f"peak_flops must be a positive finite number, got {self.peak_flops!r}")
+            raise UsageError(f"peak_flops must be a positive finite number, got {self.peak_flops!r}")
         profile = self.profile
         if profile is not None:
             if isinstance(profile, (tuple, list)):
@@ -85,7 +85,7 @@ class TrainOptions:
             else:
                 ok = isinstance(profile, int) and not isinstance(profile, bool) and profile >= 1
             if not ok:
-                raise ValueError("--profile must be STEPS (an integer >= 1) or START:STOP (integers, "
+                raise UsageError("--profile must be STEPS (an integer >= 1) or START:STOP (integers, "
                                  f"0 <= START < STOP), got {profile!r}")
 
 
@@ -257,7 +257,7 @@ class _Profiler:
             shutil.rmtree(self.local, ignore_errors=True)
 
 
-class ForkCheckpointDamaged(ValueError):
+class ForkCheckpointDamaged(SmeltError, ValueError):
     """A branch's fork checkpoint is damaged: the stable run must retrain it (one line, exit 2)."""
 
 
@@ -310,7 +310,7 @@ def _restore_fork(rd: RunDir, run: RunSpec, branch: int, first: int, state: Any)
     stable = Checkpointer(rd.checkpoints(None), keep_forever=run.schedule.fork_steps)
     try:
         if first not in stable.all_steps():
-            raise ValueError(
+            raise UsageError(
                 f"branch {branch} of {run.id} forks at step {first}, but the stable run has no "
                 f"committed checkpoint there (have {stable.all_steps()}); train the stable run first")
         try:
@@ -335,8 +335,6 @@ def _train_phase(run: RunSpec, branch: int | None, rd: RunDir, root: Path | None
 
     schedule, cfg = run.schedule, run.model
     parallelism = parallelism if parallelism is not None else run.parallelism
-    if parallelism.remat != "none":
-        cfg = cfg.replace(remat=parallelism.remat)
     first, end = lr_lib.phase_steps(schedule, branch)
     is_writer = jax.process_index() == 0
     if is_writer and not _exists(rd.spec_file):
@@ -372,7 +370,7 @@ def _train_phase(run: RunSpec, branch: int | None, rd: RunDir, root: Path | None
 
     mesh = sharding.make_mesh(parallelism)
     tx = optimizer(schedule)
-    plan = ts.plan_training(cfg, tx, mesh)
+    plan = ts.plan_training(cfg, tx, mesh, remat=parallelism.remat)
     # Restore targets carry the current mesh's shardings: a checkpoint written on another mesh or
     # host count comes back placed for this one.
     state = plan.restore_target()
