@@ -108,3 +108,42 @@ def build() -> list[RunSpec]:
                             schedule=schedule(), control=control, pair_id=f"{SUITE}-{sweep}",
                             variant=variant))
     return runs
+
+
+def paper_point(sweep: str, variant: str, arch: str) -> tuple[str, int]:
+    """The point of the paper's grid (a key of `smelt_jax.paper.ABLATION_LOSS`) a micro point stands for:
+    span m of 6 -> 2m of 12; depths by position (Baselines 5/6/8/9 -> 9/12/15/18, looped 4/5/6/7 ->
+    8/10/12/14); loop counts as they are."""
+    if sweep == "span":
+        return "span", 2 * int(variant[len("span"):])
+    if sweep == "loops":
+        return "loops", int(variant[1:])
+    depth = int(variant[1:])
+    if arch == "baseline":
+        return "depth_baseline", (9, 12, 15, 18)[BASELINE_DEPTHS.index(depth)]
+    return "depth_looped", (8, 10, 12, 14)[LOOPED_DEPTHS.index(depth)]
+
+
+def export_ablations(out_path, root=None) -> int:
+    """`fits/micro/ablations.csv`: one row per ablation point with its validation loss, read from this
+    suite's and micro's results stores under `root` (scaling.endpoints.ABLATION_COLUMNS)."""
+    import pandas as pd
+
+    from smelt_jax.errors import MissingInput
+    from smelt_jax.results import read_results
+    from smelt_jax.rundir import results_dir
+
+    stores = {suite: read_results(results_dir(suite, root)) for suite in (SUITE, "micro")}
+    rows = []
+    for point in points():
+        table = stores[point["run"].split("-", 1)[0]]
+        hit = table[(table["run_id"] == point["run"]) & (table["branch"] == point["branch"])]
+        if hit.empty:
+            raise MissingInput(f"no endpoint row for {point['run']} branch {point['branch']} "
+                               f"({point['sweep']} {point['variant']}): train it first")
+        paper_sweep, paper_value = paper_point(point["sweep"], point["variant"], point["arch"])
+        rows.append({"sweep": point["sweep"], "variant": point["variant"], "arch": point["arch"],
+                     "paper_sweep": paper_sweep, "paper_point": paper_value, "run_id": point["run"],
+                     "branch": point["branch"], "val_loss": float(hit["val_loss"].iloc[0])})
+    pd.DataFrame(rows).to_csv(out_path, index=False, float_format="%.8g")
+    return len(rows)

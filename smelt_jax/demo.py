@@ -20,24 +20,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from smelt_jax.scaling.endpoints import export_table, fit_points
 from smelt_jax.train.metrics_log import latest_per_step, read_metrics
-
-FIT_COLUMNS = ("arch", "scale", "sparsity_label", "branch", "F", "S", "D", "loss", "cell")
-
-
-def fit_points(results: pd.DataFrame) -> pd.DataFrame:
-    """Results-store rows -> the smelt law's input table: sparse endpoints only (the paper excludes
-    S~0), one row per endpoint, `cell` = the run (its horizons are resampled together)."""
-    sparse = results[results["sparsity_label"].astype(str) != "s0"]
-    table = pd.DataFrame({
-        "arch": sparse["arch"].astype(str), "scale": sparse["scale"].astype(str),
-        "sparsity_label": sparse["sparsity_label"].astype(str), "branch": sparse["branch"].astype(int),
-        "F": sparse["flops_per_token"].astype(float), "S": sparse["sparsity"].astype(float),
-        "D": sparse["tokens"].astype(float), "loss": sparse["val_loss"].astype(float),
-        "cell": sparse["run_id"].astype(str)})
-    return table.sort_values(["arch", "scale", "sparsity_label", "branch"], kind="stable") \
-        .reset_index(drop=True)[list(FIT_COLUMNS)]
-
 
 @dataclasses.dataclass
 class DemoReport:
@@ -98,9 +82,10 @@ def endpoint_checks(results: pd.DataFrame, root: Path | None = None) -> list[str
     return problems
 
 
-def fit_and_report(out_dir: Path, n_bootstrap: int = 200) -> DemoReport:
-    """Fit `out_dir/results.csv` per architecture and write the tables; every degenerate, unidentified or
-    failed fit is reported in the returned report, never raised."""
+def fit_and_report(out_dir: Path) -> DemoReport:
+    """Fit `out_dir/results.csv` per architecture and write the tables (scaling.pipeline.fit_suite_table,
+    the folder's bootstrap protocol); every degenerate, unidentified or failed fit is reported in the
+    returned report, never raised."""
     from smelt_jax.scaling import health, io
     from smelt_jax.scaling.pipeline import fit_suite_table, gain_report
 
@@ -108,7 +93,7 @@ def fit_and_report(out_dir: Path, n_bootstrap: int = 200) -> DemoReport:
     with np.errstate(all="ignore"), warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # degenerate laws overflow: reported below
         try:
-            report.paths = fit_suite_table(out_dir, n_bootstrap=n_bootstrap)
+            report.paths = fit_suite_table(out_dir)
         except ValueError as err:  # a table the law cannot be fitted to (too few or invalid points)
             report.warnings.append(f"no fit: {err}")
             return report
@@ -121,7 +106,7 @@ def fit_and_report(out_dir: Path, n_bootstrap: int = 200) -> DemoReport:
 
 
 def run_demo(suite: str = "smoke", out_dir: Path | None = None, *, parallel: int = 2,
-             n_bootstrap: int = 200, progress: bool = True, accept_digest: bool = False) -> DemoReport:
+             progress: bool = True, accept_digest: bool = False) -> DemoReport:
     from smelt_jax.data.corpus import build_corpus
     from smelt_jax.results import read_results
     from smelt_jax.rundir import results_dir
@@ -140,15 +125,15 @@ def run_demo(suite: str = "smoke", out_dir: Path | None = None, *, parallel: int
         report.warnings.append(f"training: {err}")
     results = read_results(results_dir(suite))
     report.warnings += endpoint_checks(results)
-    points = fit_points(results)
     out_dir.mkdir(parents=True, exist_ok=True)
-    points.to_csv(out_dir / "results.csv", index=False, float_format="%.8g")
+    export_table(results).to_csv(out_dir / "results.csv", index=False, float_format="%.8g")
+    points = fit_points(results)
     print(f"[demo] 3/3 fitting {len(points)} endpoints per-architecture and writing tables ...",
           file=sys.stderr, flush=True)
     if points.empty:
         report.warnings.append(f"suite {suite!r} has no sparse endpoints to fit")
     else:
-        fitted = fit_and_report(out_dir, n_bootstrap)
+        fitted = fit_and_report(out_dir)
         report.warnings += fitted.warnings
         report.paths = fitted.paths
     report.notes.append(identifiability_note(points) if not points.empty else "no endpoints")

@@ -8,7 +8,7 @@ Notebooks are parameterised by environment variables read in their first cell. W
 use their defaults (committed data: `fits/paper`, the suite descriptors). `--fixture DIR` points them at a
 small fixture: SMELT_RUNS_DIR=DIR/runs, SMELT_SUITE=DIR/suite.txt's content (default `fixture`),
 SMELT_RESULTS_DIR=DIR/runs/<suite>, SMELT_FITS_DIR=DIR/fits, SMELT_CHINCHILLA_FITS_DIR=DIR/chinchilla,
-SMELT_ANALYSIS_DIR=DIR/analysis, SMELT_DESCRIPTOR_SUITE=smoke (each only when that path exists, the suite
+SMELT_ANALYSIS_DIR=DIR/analysis, SMELT_SUITE_DIR=DIR/suite, SMELT_DESCRIPTOR_SUITE=smoke (each only when that path exists, the suite
 always).
 """
 
@@ -20,6 +20,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from smelt_jax.errors import MissingInput
 
 KERNEL = "python3"
 
@@ -50,7 +52,7 @@ def fixture_environment(fixture: Path) -> dict[str, str]:
     env = {"SMELT_SUITE": suite, "SMELT_DESCRIPTOR_SUITE": "smoke"}
     for variable, path in (("SMELT_RUNS_DIR", fixture / "runs"), ("SMELT_RESULTS_DIR", fixture / "runs" / suite),
                            ("SMELT_FITS_DIR", fixture / "fits"), ("SMELT_CHINCHILLA_FITS_DIR", fixture / "chinchilla"),
-                           ("SMELT_ANALYSIS_DIR", fixture / "analysis")):
+                           ("SMELT_ANALYSIS_DIR", fixture / "analysis"), ("SMELT_SUITE_DIR", fixture / "suite")):
         if path.exists():
             env[variable] = str(path)
     return env
@@ -82,7 +84,7 @@ def run_all(folder: Path, *, fixture: Path | None = None, timeout: int = 600, wr
     if names:
         sources = [p for p in sources if p.stem in names]
     if not sources:
-        raise FileNotFoundError(f"no notebooks (*.py) in {folder}")
+        raise MissingInput(f"no notebooks (*.py) in {folder}")
     ensure_kernel()
     cwd = folder.absolute().parent  # the repository root: default paths are relative to it
     timings = []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import warnings
 
@@ -35,11 +36,23 @@ smelt,xs,s95,1,4225920,0.94239061,102400,3.3308132,smoke-xs-s95-smelt-c788a2fe
 """
 
 
+def _store_rows(text: str) -> str:
+    """The fit-format rows above as the results store's rows (what fits/<suite>/results.csv holds)."""
+    points = pd.read_csv(io.StringIO(text))
+    store = pd.DataFrame({
+        "run_id": points["cell"], "branch": points["branch"],
+        "pair_id": "smoke-" + points["scale"] + "-" + points["sparsity_label"], "arch": points["arch"],
+        "scale": points["scale"], "sparsity_label": points["sparsity_label"], "sparsity": points["S"],
+        "flops_per_token": points["F"], "tokens": points["D"], "val_loss": points["loss"]})
+    return store.to_csv(index=False)
+
+
 def test_degenerate_table_is_reported_not_raised(tmp_path):
-    (tmp_path / "results.csv").write_text(ROWS)
+    (tmp_path / "results.csv").write_text(_store_rows(ROWS))
+    (tmp_path / "fit.json").write_text('{"bootstrap_draws": 16}')
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # no numpy noise may reach the terminal
-        report = fit_and_report(tmp_path, n_bootstrap=16)
+        report = fit_and_report(tmp_path)
     text = "\n".join(report.warnings)
     assert "unidentified: 8 points for 6 parameters" in text
     assert "smelt: degenerate" in text or "not a finite number" in text
@@ -51,8 +64,9 @@ def test_degenerate_table_is_reported_not_raised(tmp_path):
 
 def test_table_that_cannot_be_fitted_is_reported(tmp_path):
     rows = ROWS.splitlines()
-    (tmp_path / "results.csv").write_text("\n".join(rows[:1] + rows[1:4] + rows[9:12]) + "\n")
-    report = fit_and_report(tmp_path, n_bootstrap=0)
+    (tmp_path / "results.csv").write_text(_store_rows("\n".join(rows[:1] + rows[1:4] + rows[9:12]) + "\n"))
+    (tmp_path / "fit.json").write_text('{"bootstrap_draws": 0}')
+    report = fit_and_report(tmp_path)
     assert len(report.warnings) == 1 and report.warnings[0].startswith("no fit:")
 
 

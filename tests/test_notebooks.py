@@ -6,11 +6,32 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from smelt_jax import notebooks_runner
+from smelt_jax import notebooks_runner, paper
 from smelt_jax.results import EndpointResult, append_result
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
-EXPECTED = {"budgets_and_matching", "training_curves", "scaling_fits", "mechanistic"}
+EXPECTED = {"budgets_and_matching", "training_curves", "scaling_fits", "mechanistic", "results_micro"}
+
+
+def _suite_folder(folder: Path) -> None:
+    """A suite folder as `smelt fit-suite` writes it, from synthetic endpoints of the paper's laws."""
+    from smelt_jax.scaling.endpoints import export_table
+    from smelt_jax.scaling.pipeline import fit_suite_table
+
+    rows = []
+    for arch, law in (("baseline", paper.BASELINE_LAW), ("smelt", paper.SMELT_LAW)):
+        for scale, flops in (("a", 6e8), ("b", 1.2e9)):
+            for label, sparsity in (("s0", 0.0), ("s85", 0.85), ("s95", 0.95)):
+                for branch, tokens in enumerate((20e9, 60e9, 200e9)):
+                    rows.append({"run_id": f"fx-{scale}-{label}-{arch}-0", "branch": branch,
+                                 "pair_id": f"fx-{scale}-{label}", "arch": arch, "scale": scale,
+                                 "sparsity_label": label, "sparsity": sparsity, "flops_per_token": flops,
+                                 "tokens": tokens, "val_loss": float(law.predict(flops, sparsity, tokens)),
+                                 "loss_code": float(law.predict(flops, sparsity, tokens)) + 0.02})
+    folder.mkdir(parents=True)
+    export_table(pd.DataFrame(rows)).to_csv(folder / "results.csv", index=False)
+    (folder / "fit.json").write_text('{"bootstrap_draws": 4}')
+    fit_suite_table(folder)
 
 
 def _fixture(root: Path) -> Path:
@@ -37,6 +58,7 @@ def _fixture(root: Path) -> Path:
         (folder / "coefficients.json").write_text(json.dumps(
             {"law": "smelt", "arch": arch, "E": 1.5, "A": 1500.0, "K": 2e6, "a": exponent, "b": 0.15,
              "c": 0.66, "rmse": 0.01, "n_points": 8, "source": "fixture"}))
+    _suite_folder(root / "suite")
     analysis = root / "analysis"
     analysis.mkdir()
     pd.DataFrame([{"layer": 1, "k": 2, "n_experts": 8, "n_tokens": 64, "mean_overlap": 0.7,
@@ -68,7 +90,7 @@ def test_fixture_environment_and_a_failing_notebook_is_reported(tmp_path):
         notebooks_runner.run_all(broken, write=False, timeout=60)
 
 
-@pytest.mark.parametrize("name", ["training_curves", "scaling_fits"])
+@pytest.mark.parametrize("name", ["training_curves", "scaling_fits", "results_micro"])
 def test_executed_notebooks_show_their_figures_inline(tmp_path, monkeypatch, name):
     """No Agg backend in the notebooks: an executed notebook carries its figures as image outputs."""
     for key, value in notebooks_runner.fixture_environment(_fixture(tmp_path)).items():

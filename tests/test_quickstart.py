@@ -70,9 +70,9 @@ def test_quickstart_covers_the_path():
     for needed in ("gcloud services enable", "gcloud billing projects link", "--uniform-bucket-level-access",
                    "roles/storage.objectAdmin", "iam.workloadIdentityUser", "--workload-metadata=GKE_METADATA",
                    "xpk cluster create", "gcloud artifacts repositories create", "make image push-image",
-                   "smelt data prepare", "--out gs://BUCKET/", "smelt sweep submit smelt16 --backend xpk --submit",
-                   "smelt sweep status", "smelt sweep cancel", "smelt results collect", "smelt fit",
-                   "smelt tables", "queued-resources"):
+                   "smelt data prepare", "--out gs://BUCKET/", "smelt sweep submit --suite smelt16 --backend xpk --submit",
+                   "smelt sweep status", "smelt sweep cancel", "smelt results collect", "smelt results export",
+                   "smelt fit-suite", "queued-resources"):
         assert needed in text, f"the quick start lacks {needed!r}"
     assert "chip-hours" in DOC.read_text() and "roofline" in DOC.read_text()
 
@@ -189,13 +189,13 @@ def test_submit_refuses_the_placeholder_image(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("SMELT_RUNS_DIR", str(tmp_path / "runs"))
     monkeypatch.setattr(base.subprocess, "run", lambda *a, **k: pytest.fail("must not submit"))
     real = ["--bucket", "gs://b/smelt", "--project", "p", "--zone", "us-east5-a", "--cluster", "c"]
-    assert main(["sweep", "submit", "smoke", "--backend", "xpk", "--submit", *real]) == 2
+    assert main(["sweep", "submit", "--suite", "smoke", "--backend", "xpk", "--submit", *real]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--image" in err and "make image push-image" in err
-    assert main(["sweep", "submit", "smoke", "--backend", "xpk", "--submit", "--image", "smelt-jax:abc",
+    assert main(["sweep", "submit", "--suite", "smoke", "--backend", "xpk", "--submit", "--image", "smelt-jax:abc",
                  *real]) == 2
     assert "local tag" in capsys.readouterr().err
-    assert main(["sweep", "submit", "smoke", "--backend", "tpu-vm", "--submit", "--image",
+    assert main(["sweep", "submit", "--suite", "smoke", "--backend", "tpu-vm", "--submit", "--image",
                  "REGION-docker.pkg.dev/p/smelt/smelt-jax:TAG", *real[:6]]) == 2
     assert "set --image before --submit" in capsys.readouterr().err
 

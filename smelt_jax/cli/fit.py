@@ -9,19 +9,12 @@ import json
 import math
 from pathlib import Path
 
-from smelt_jax.cli import CliError
-from smelt_jax.cli.train import filesystem_errors, one_line_warnings
+from smelt_jax.cli import CliError, filesystem_errors, one_line_warnings
 
 
-def _floats(text: str, name: str) -> list[float]:
-    try:
-        values = [float(v) for v in text.split(",") if v.strip()]
-    except ValueError as err:
-        raise CliError(f"--{name}: expected comma-separated numbers, got {text!r}") from err
-    if not values:
-        raise CliError(f"--{name}: no values given")
+def _finite(values: list[float], name: str) -> list[float]:
     if not all(math.isfinite(v) for v in values):
-        raise CliError(f"--{name}: values must be finite, got {text!r}")
+        raise CliError(f"--{name}: values must be finite, got {' '.join(map(str, values))}")
     return values
 
 
@@ -53,12 +46,12 @@ def _fit(args) -> int:
 def _gain(args) -> int:
     from smelt_jax.scaling import pipeline, tables
 
-    sparsities = _floats(args.sparsity, "sparsity")
+    sparsities = _finite(args.sparsity, "sparsity")
     if any(not 0 <= s < 1 for s in sparsities):
         raise CliError("--sparsity values must lie in [0, 1)")
-    computes = _floats(args.compute, "compute")
+    computes = _finite(args.compute, "compute")
     if any(c <= 0 for c in computes):
-        raise CliError(f"--compute values must be positive FLOP counts, got {args.compute!r}")
+        raise CliError(f"--compute values must be positive FLOP counts, got {' '.join(map(str, computes))}")
     rows = pipeline.gain_report(args.reference, args.target, computes, sparsities)
     if args.json:
         print(json.dumps(pipeline._round(rows), indent=2, sort_keys=True))
@@ -74,6 +67,19 @@ def _tables(args) -> int:
 
     for path in pipeline.write_tables(args.fit_dir):
         print(path)
+    return 0
+
+
+@filesystem_errors
+def _fit_suite(args) -> int:
+    from smelt_jax.demo import fit_and_report
+
+    if not (Path(args.fit_dir) / "results.csv").exists():
+        raise CliError(f"{args.fit_dir}: no results.csv (write it with `smelt results export --suite SUITE`)")
+    report = fit_and_report(Path(args.fit_dir))
+    for path in sorted(set(report.paths)):
+        print(path)
+    print(report.text(), end="")
     return 0
 
 
@@ -109,8 +115,10 @@ def register(subparsers) -> None:
                                           "target's frontier loss at C_ref; also TPP = D*/(F*/6).")
     p.add_argument("--reference", required=True, help="reference fit directory or coefficients JSON")
     p.add_argument("--target", required=True, help="target fit directory or coefficients JSON")
-    p.add_argument("--compute", default="1e20,1e21,1e22", help="target computes, comma separated")
-    p.add_argument("--sparsity", default="0.85,0.95,0.97", help="sparsities S, comma separated")
+    p.add_argument("--compute", type=float, nargs="+", default=[1e20, 1e21, 1e22], metavar="C",
+                   help="target computes in FLOPs (default 1e20 1e21 1e22)")
+    p.add_argument("--sparsity", type=float, nargs="+", default=[0.85, 0.95, 0.97], metavar="S",
+                   help="sparsities S (default 0.85 0.95 0.97)")
     p.add_argument("--json", action="store_true", help="print JSON rows instead of a markdown table")
     p.set_defaults(handler=_gain)
 
@@ -119,6 +127,14 @@ def register(subparsers) -> None:
                                           "between two fit subdirectories).")
     p.add_argument("fit_dir", metavar="FITDIR", help="a fit folder (coefficients.json) or a pair folder (pair.json)")
     p.set_defaults(handler=_tables)
+
+    p = subparsers.add_parser("fit-suite", help="fit a suite folder's endpoints and write all its tables",
+                              description="DIR/results.csv (`smelt results export`): the smelt law per "
+                                          "architecture on the sparse endpoints (bootstrap protocol: "
+                                          "DIR/fit.json), CE gains, wins, empirical and per-source gains, "
+                                          "residuals, and tables of DIR/lengths.csv and DIR/ablations.csv.")
+    p.add_argument("fit_dir", metavar="DIR", help="a suite folder holding results.csv (e.g. fits/smelt16)")
+    p.set_defaults(handler=_fit_suite)
 
     p = subparsers.add_parser("fits-all", help="regenerate everything under fits/ deterministically",
                               description="fits/paper (published coefficients -> CE gains, TPP) and "

@@ -73,6 +73,17 @@ def intervals(draws: dict[str, np.ndarray], level: float = 0.95) -> dict[str, di
     return out
 
 
+def _is_law(law, raw) -> bool:
+    """Whether a draw's raw parameters make a valid law (none overflows to inf): a draw that ran off
+    to an infinite coefficient did not converge to anything."""
+    with np.errstate(over="ignore"):
+        try:
+            law.from_raw(raw)
+        except ValueError:
+            return False
+    return True
+
+
 def cell_bootstrap(law, features, loss, cells, best_raw, *, n_draws: int = 2000, seed: int = 0,
                    extra_starts=None) -> dict:
     """Cell bootstrap of a Huber fit, each draw started from the full-data optimum (plus extra_starts).
@@ -82,7 +93,7 @@ def cell_bootstrap(law, features, loss, cells, best_raw, *, n_draws: int = 2000,
     starts = np.atleast_2d(best_raw) if extra_starts is None else np.vstack([best_raw, extra_starts])
     weights = cell_weights(cells, n_draws, seed)
     out = refit(law, features, loss, weights, starts)
-    ok = out["converged"]
+    ok = out["converged"] & np.array([_is_law(law, raw) for raw in out["raw"]], dtype=bool)
     return {"raw": out["raw"], "converged": ok, "n_draws": int(n_draws), "n_converged": int(ok.sum()),
             "n_cells": len(np.unique(np.asarray(cells))), "seed": int(seed),
             "intervals": intervals(parameter_draws(law, out["raw"][ok]))}

@@ -40,6 +40,9 @@ def assess_fit(coefficients: dict, n_params: int = SMELT_LAW_PARAMETERS) -> list
     for name in ("A", "K"):
         if values[name] < MIN_COEFFICIENT:
             problems.append(f"{arch}: degenerate: coefficient {name} = {values[name]:.3g} (its term is off)")
+    if values["E"] < MIN_COEFFICIENT:
+        problems.append(f"{arch}: degenerate: irreducible loss E = {values['E']:.3g} (the endpoints do not "
+                        "identify an asymptote: the other terms carry the whole loss)")
     return problems
 
 

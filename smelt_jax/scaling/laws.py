@@ -15,10 +15,17 @@ from typing import ClassVar
 
 import numpy as np
 
+from smelt_jax.errors import UsageError
+
 
 def _positive(name: str, value: float) -> None:
     if not (np.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be finite and > 0, got {value!r}")
+        raise UsageError(f"{name} must be finite and > 0, got {value!r}")
+
+
+def _non_negative(name: str, value: float) -> None:
+    if not (np.isfinite(value) and value >= 0):
+        raise UsageError(f"{name} must be finite and >= 0, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -46,10 +53,14 @@ class SmeltLaw:
     columns: ClassVar[tuple[str, ...]] = ("F", "S", "D")
 
     def __post_init__(self):
-        for name in ("E", "A", "K", "a", "c"):
+        # E, A, K >= 0: a fit whose log-coefficient runs off to -inf (data that cannot identify that
+        # term) lands on exactly 0, the term switched off; scaling/health.py reports it.
+        for name in ("E", "A", "K"):
+            _non_negative(name, getattr(self, name))
+        for name in ("a", "c"):
             _positive(name, getattr(self, name))
         if not np.isfinite(self.b):
-            raise ValueError(f"b must be finite, got {self.b!r}")
+            raise UsageError(f"b must be finite, got {self.b!r}")
 
     # --- prediction -------------------------------------------------------------------------------
     def predict(self, F, S, D):
@@ -240,7 +251,7 @@ class LoopedLaw:
         for name in ("E", "A", "B", "alpha", "beta"):
             _positive(name, getattr(self, name))
         if not np.isfinite(self.phi):
-            raise ValueError(f"phi must be finite, got {self.phi!r}")
+            raise UsageError(f"phi must be finite, got {self.phi!r}")
 
     def effective_params(self, N_once, N_rec, r):
         return np.asarray(N_once, float) + np.asarray(r, float) ** self.phi * np.asarray(N_rec, float)
@@ -289,7 +300,7 @@ class LoopedLaw:
         """
         rho = float(recurrent_fraction)
         if not 0.0 <= rho <= 1.0 or r < 1:
-            raise ValueError("recurrent_fraction must be in [0, 1] and r >= 1")
+            raise UsageError("recurrent_fraction must be in [0, 1] and r >= 1")
         k_eff = 1.0 - rho + r ** self.phi * rho
         k_exec = 1.0 - rho + r * rho
         scaled_a = self.A * (k_exec / k_eff) ** self.alpha
@@ -299,17 +310,51 @@ class LoopedLaw:
         return {k: float(getattr(self, k)) for k in self.param_names}
 
 
+@dataclass(frozen=True)
+class SmeltLawFixedExponents:
+    """The smelt law with its exponents a, b, c held fixed: only E, A, K are fitted (the paper's per-domain
+    refit, §8: "per-domain refit of E, A, K with the aggregate exponents"). raw = (log E, log A, log K);
+    `from_raw` gives a full `SmeltLaw`. Hashable, so the vectorised fitter can take it as a static argument."""
+
+    a: float
+    b: float
+    c: float
+
+    name: ClassVar[str] = "smelt-fixed-exponents"
+    raw_names: ClassVar[tuple[str, ...]] = ("log_E", "log_A", "log_K")
+    columns: ClassVar[tuple[str, ...]] = ("F", "S", "D")
+    features = staticmethod(SmeltLaw.features)
+
+    @classmethod
+    def of(cls, law: SmeltLaw) -> SmeltLawFixedExponents:
+        return cls(a=float(law.a), b=float(law.b), c=float(law.c))
+
+    def log_terms(self, raw, features, xp=np):
+        full = (raw[0], raw[1], raw[2], np.log(self.a), self.b, np.log(self.c))
+        return SmeltLaw.log_terms(full, features, xp=xp)
+
+    def from_raw(self, raw) -> SmeltLaw:
+        raw = [float(v) for v in raw]
+        return SmeltLaw(E=np.exp(raw[0]), A=np.exp(raw[1]), K=np.exp(raw[2]), a=self.a, b=self.b, c=self.c)
+
+    @staticmethod
+    def start_grid() -> np.ndarray:
+        """[50, 3] raw initial points: SmeltLaw's grid over (log E, log A, log K)."""
+        axes = [np.array([0.0, 0.5]), np.arange(0.0, 20.1, 5.0), np.arange(0.0, 20.1, 5.0)]
+        return np.stack(np.meshgrid(*axes, indexing="ij"), axis=-1).reshape(-1, 3)
+
+
 LAWS = {law.name: law for law in (SmeltLaw, ChinchillaLaw, LoopedLaw)}
 
 
 def law_from_dict(name: str, params: dict) -> SmeltLaw | ChinchillaLaw | LoopedLaw:
     """Build a law by name from a mapping holding (at least) its parameters."""
     if name not in LAWS:
-        raise ValueError(f"unknown law {name!r}; choose one of {sorted(LAWS)}")
+        raise UsageError(f"unknown law {name!r}; choose one of {sorted(LAWS)}")
     cls = LAWS[name]
     missing = [k for k in cls.param_names if k not in params]
     if missing:
-        raise ValueError(f"{name} law needs parameters {list(cls.param_names)}; missing {missing}")
+        raise UsageError(f"{name} law needs parameters {list(cls.param_names)}; missing {missing}")
     return cls(**{k: float(params[k]) for k in cls.param_names})
 
 

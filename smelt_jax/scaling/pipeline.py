@@ -14,7 +14,8 @@ import numpy as np
 import pandas as pd
 
 from smelt_jax import paper
-from smelt_jax.scaling import bootstrap, fit, gains, io, tables
+from smelt_jax.errors import MissingInput, UsageError
+from smelt_jax.scaling import bootstrap, endpoints, fit, gains, io, tables
 from smelt_jax.scaling.laws import LAWS, ChinchillaLaw, SmeltLaw
 
 
@@ -50,7 +51,7 @@ def fit_table(table: pd.DataFrame, law_name: str, *, method: str = "huber", n_bo
     elif method == "huber-likelihood":
         result = fit.fit_huber_likelihood(law, features, loss)
     else:
-        raise ValueError(f"unknown method {method!r} (huber | huber-likelihood)")
+        raise UsageError(f"unknown method {method!r} (huber | huber-likelihood)")
     coefficients = {**result.to_dict(), "delta": fit.HUBER_DELTA}
     if law is SmeltLaw:
         coefficients["compute_range"] = list(gains.fitted_compute_range(table["F"], table["D"]))
@@ -71,10 +72,10 @@ def fit_to_dir(input_path, law_name: str, out_dir, *, arch: str | None = None, m
     table = io.read_table(input_path)
     if arch is not None:
         if "arch" not in table.columns:
-            raise ValueError(f"{input_path}: --arch given but the table has no 'arch' column")
+            raise UsageError(f"{input_path}: --arch given but the table has no 'arch' column")
         table = table[table["arch"].astype(str) == arch]
         if table.empty:
-            raise ValueError(f"{input_path}: no rows with arch == {arch!r}")
+            raise UsageError(f"{input_path}: no rows with arch == {arch!r}")
     table = io.validate(table, law_name, str(input_path))
     coefficients, boot = fit_table(table, law_name, method=method, n_bootstrap=n_bootstrap, seed=seed)
     coefficients.update({"input": str(input_path), "arch": arch})
@@ -107,17 +108,21 @@ def _paired_draws(ref: dict, tgt: dict):
     return [p[0] for p in pairs], [p[1] for p in pairs]
 
 
+def _common_range(coefficient_dicts):
+    """The compute range every fit covers (C_min, C_max), or None when none records one."""
+    ranges = [d.get("compute_range") for d in coefficient_dicts if d.get("compute_range")]
+    return (max(r[0] for r in ranges), min(r[1] for r in ranges)) if ranges else None
+
+
 def gain_report(reference_path, target_path, computes, sparsities) -> list[dict]:
     """CE-gain rows of target over reference (both smelt-law coefficients), with intervals when both
     directories hold paired bootstrap draws (same count)."""
     ref, tgt = io.load_coefficients(reference_path), io.load_coefficients(target_path)
     for data in (ref, tgt):
         if not isinstance(data["_law"], SmeltLaw):
-            raise ValueError(f"{data['_path']}: CE gains need smelt-law coefficients, got {data['law']}")  # noqa: TRY004
+            raise UsageError(f"{data['_path']}: CE gains need smelt-law coefficients, got {data['law']}")  # noqa: TRY004
     ref_draws, tgt_draws = _paired_draws(ref, tgt)
-    ranges = [d.get("compute_range") for d in (ref, tgt) if d.get("compute_range")]
-    compute_range = (max(r[0] for r in ranges), min(r[1] for r in ranges)) if ranges else None
-    return gains.gain_rows(ref["_law"], tgt["_law"], computes, sparsities, compute_range=compute_range,
+    return gains.gain_rows(ref["_law"], tgt["_law"], computes, sparsities, compute_range=_common_range((ref, tgt)),
                            reference_draws=ref_draws, target_draws=tgt_draws)
 
 
@@ -148,7 +153,7 @@ def write_pair_tables(pair_dir, reference="baseline", target="smelt", computes=p
     axis = (min(computes) / 10, max(computes) * 10)  # a decade either side of the tabulated computes
     paths += tables.ce_gain_figure(pair_dir, ref["_law"], tgt["_law"], sparsities, compute=axis,
                                    reference_draws=ref_draws, target_draws=tgt_draws)
-    points_path = pair_dir / "results.csv"  # a trained suite's endpoints, shown with the frontiers
+    points_path = pair_dir / "points.csv"  # a trained suite's sparse endpoints, shown with the frontiers
     points = pd.read_csv(points_path) if points_path.exists() else None
     if points is not None:
         compute = points["F"] * points["D"]
@@ -170,7 +175,7 @@ def write_tables(path) -> list[Path]:
                                          pair["sparsity"])
     if (path / "coefficients.json").exists():
         return write_fit_tables(path)
-    raise FileNotFoundError(f"{path}: neither coefficients.json nor pair.json found")
+    raise MissingInput(f"{path}: neither coefficients.json nor pair.json found")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -244,7 +249,7 @@ def write_chinchilla_fits(out_dir, n_draws: int = 4000, csv_path=None) -> list[P
 
 def _one_figure(value: float) -> float:
     exponent = math.floor(math.log10(value))
-    return round(value / 10 ** exponent) * 10 ** exponent
+    return float(round(value / 10 ** exponent) * 10.0 ** exponent)
 
 
 def gain_grid(points: pd.DataFrame) -> tuple[list[float], list[float]]:
@@ -257,19 +262,81 @@ def gain_grid(points: pd.DataFrame) -> tuple[list[float], list[float]]:
     return computes, sparsities
 
 
-def fit_suite_table(out_dir, n_bootstrap: int = 200, seed: int = 0) -> list[Path]:
-    """A trained suite's endpoints (`out_dir/results.csv`: arch, F, S, D, loss, cell, sparsity_label):
-    the smelt law fitted per architecture into baseline/ and smelt/, then the pair's CE-gain tables
-    and figures over the fitted compute range (`gain_grid`)."""
+# A suite folder's fit protocol (`fits/<suite>/fit.json`; these defaults where it has none).
+DEFAULT_PROTOCOL = {"bootstrap_draws": 200, "seed": 0}
+
+
+def suite_protocol(out_dir) -> dict:
+    path = Path(out_dir) / "fit.json"
+    given = json.loads(path.read_text()) if path.exists() else {}
+    unknown = sorted(set(given) - set(DEFAULT_PROTOCOL))
+    if unknown:
+        raise UsageError(f"{path}: unknown key(s) {unknown}; known: {sorted(DEFAULT_PROTOCOL)}")
+    return {**DEFAULT_PROTOCOL, **given}
+
+
+def fit_suite_table(out_dir) -> list[Path]:
+    """A trained suite's endpoints (`out_dir/results.csv`, the results store's rows) -> the law's input
+    (`points.csv`: sparse endpoints), the smelt law fitted per architecture into baseline/ and smelt/
+    with the folder's bootstrap protocol (`fit.json`), the pair's CE-gain tables and figures over the
+    fitted compute range (`gain_grid`), the endpoint tables (`write_endpoint_tables`) and the tables of
+    the folder's other inputs (`suite_extras`)."""
     out_dir = Path(out_dir)
-    points = pd.read_csv(out_dir / "results.csv")
+    protocol = suite_protocol(out_dir)
+    results = endpoints.check_table(pd.read_csv(out_dir / "results.csv"), str(out_dir / "results.csv"))
+    points = endpoints.fit_points(results)
+    points.to_csv(out_dir / "points.csv", index=False, float_format="%.8g")
     for arch in ("baseline", "smelt"):
-        fit_to_dir(out_dir / "results.csv", "smelt", out_dir / arch, arch=arch,
-                   n_bootstrap=n_bootstrap, seed=seed)
+        fit_to_dir(out_dir / "points.csv", "smelt", out_dir / arch, arch=arch,
+                   n_bootstrap=protocol["bootstrap_draws"], seed=protocol["seed"])
     computes, sparsities = gain_grid(points)
     write_json(out_dir / "pair.json", {"reference": "baseline", "target": "smelt",
                                        "compute": computes, "sparsity": sparsities})
-    return write_tables(out_dir)
+    return ([out_dir / "points.csv"] + write_tables(out_dir) + write_endpoint_tables(out_dir, results)
+            + suite_extras(out_dir))
+
+
+def suite_extras(out_dir) -> list[Path]:
+    """Tables from a suite folder's other committed inputs, where present: `lengths.csv` (validation
+    loss per document-length bucket of matched endpoints: per-bucket gains and the long/short ratio)
+    and `ablations.csv` (the ablation points beside the paper's, §6)."""
+    out_dir, paths = Path(out_dir), []
+    if (out_dir / "lengths.csv").exists():
+        by_bucket = endpoints.length_gains(pd.read_csv(out_dir / "lengths.csv"))
+        paths += tables.write_table(out_dir, "length_gain", by_bucket.to_dict("records"), list(by_bucket.columns))
+        ratios = endpoints.length_ratios(by_bucket)
+        paths += tables.write_table(out_dir, "length_ratio", ratios.to_dict("records"), list(ratios.columns))
+    if (out_dir / "ablations.csv").exists():
+        table = endpoints.ablation_table(pd.read_csv(out_dir / "ablations.csv"), paper.ABLATION_LOSS)
+        paths += tables.write_table(out_dir, "ablation", table.to_dict("records"), list(table.columns))
+    return paths
+
+
+def write_endpoint_tables(out_dir, results: pd.DataFrame) -> list[Path]:
+    """Tables that read the endpoints beside the fitted laws: matched-pair wins (per endpoint and
+    counted), the law-free empirical CE gains, each fit's residuals, and, where the table has per-source
+    losses, per-source CE gains from the fixed-exponent refit (paper §8)."""
+    out_dir = Path(out_dir)
+    wins = endpoints.pair_wins(results)
+    paths = tables.write_table(out_dir, "wins", wins.to_dict("records"), list(wins.columns))
+    counts = endpoints.win_counts(wins)
+    paths += tables.write_table(out_dir, "win_counts", counts.to_dict("records"), list(counts.columns))
+    empirical = endpoints.empirical_gains(results)
+    paths += tables.write_table(out_dir, "empirical_gain", empirical.to_dict("records"), list(empirical.columns))
+    fits = {arch: io.load_coefficients(out_dir / arch) for arch in ("baseline", "smelt")}
+    laws = {arch: data["_law"] for arch, data in fits.items()}
+    for arch, law in laws.items():
+        points = pd.read_csv(out_dir / arch / "points.csv")
+        points["predicted"] = law.predict(points["F"], points["S"], points["D"])
+        points["residual"] = points["loss"] - points["predicted"]
+        paths += tables.write_table(out_dir / arch, "residuals", points.to_dict("records"), list(points.columns))
+    if endpoints.source_names(results):
+        pair = json.loads((out_dir / "pair.json").read_text())
+        with np.errstate(all="ignore"):
+            by_source = endpoints.source_gains(endpoints.source_laws(results, laws), pair["compute"],
+                                               pair["sparsity"], compute_range=_common_range(fits.values()))
+        paths += tables.write_table(out_dir, "source_gain", by_source.to_dict("records"), list(by_source.columns))
+    return paths
 
 
 def fits_all(root="fits", chinchilla_draws: int = 4000) -> list[Path]:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from smelt_jax.rundir import results_dir, runs_root
 from smelt_jax.sweep.graph import stored_endpoint_keys
+from smelt_jax.errors import MissingInput, UsageError
 
 ENDPOINT_GLOB = "*/branch*/endpoint.json"  # <suite>/<run id>/branch<k>/endpoint.json
 
@@ -30,12 +31,24 @@ class CollectReport:
     appended: int    # rows that were missing from the store
 
 
+def _read_row(text: str, where) -> dict:
+    """An endpoint.json's row; a damaged file is named (delete it and retrain that branch, or fix it)."""
+    try:
+        row = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise UsageError(f"{where}: damaged endpoint file ({err}); fix or delete it and retrain that "
+                         "branch") from None
+    if not isinstance(row, dict):
+        raise UsageError(f"{where}: an endpoint file holds one JSON object, got {type(row).__name__}")
+    return row
+
+
 def endpoint_result(row: dict):
     """The `EndpointResult` an endpoint.json row describes (loss_<source> keys -> losses_by_source)."""
     from smelt_jax.results import FIXED_COLUMNS, LOSS_PREFIX, EndpointResult
     missing = [c for c in ("run_id", "branch") if c not in row]
     if missing:
-        raise ValueError(f"endpoint row lacks {missing}: {sorted(row)}")
+        raise UsageError(f"endpoint row lacks {missing}: {sorted(row)}")
     fields = {k: v for k, v in row.items() if k in FIXED_COLUMNS}
     losses = {k[len(LOSS_PREFIX):]: v for k, v in row.items() if k.startswith(LOSS_PREFIX)}
     return EndpointResult(**fields, losses_by_source=losses)
@@ -60,7 +73,7 @@ def collect_suite(suite: str, root: Path | None = None) -> CollectReport:
     """Appends the missing endpoint rows of one suite under a local runs root."""
     root = Path(root) if root is not None else runs_root()
     files = sorted((root / suite).glob(ENDPOINT_GLOB))
-    rows = [json.loads(path.read_text()) for path in files]
+    rows = [_read_row(path.read_text(), path) for path in files]
     return CollectReport(suite, len(files), _append_missing(suite, rows, root))
 
 
@@ -82,7 +95,7 @@ def _bucket_endpoints(root: str, suite: str | None = None) -> list[str]:
 
 def _bucket_rows(root: str, suite: str) -> list[dict]:
     from smelt_jax.data import gcs
-    return [json.loads(gcs.read_text(url)) for url in _bucket_endpoints(root, suite)]
+    return [_read_row(gcs.read_text(url), url) for url in _bucket_endpoints(root, suite)]
 
 
 def collect(root: str | Path | None = None, suites: list[str] | None = None,
@@ -102,9 +115,26 @@ def collect(root: str | Path | None = None, suites: list[str] | None = None,
             reports.append(CollectReport(suite, len(rows), _append_missing(suite, rows, store)))
         return reports
     if "://" in root_text:
-        raise ValueError(f"unsupported runs root {root_text!r}: a local path or gs://")
+        raise UsageError(f"unsupported runs root {root_text!r}: a local path or gs://")
     local = Path(root_text)
     if not local.is_dir():
-        raise FileNotFoundError(f"runs root {local} does not exist")
+        raise MissingInput(f"runs root {local} does not exist")
     names = suites or sorted(p.name for p in local.iterdir() if p.is_dir() and not p.name.startswith("."))
     return [collect_suite(name, local) for name in names]
+
+
+def export(suite: str, out_path: str | Path, root: Path | None = None) -> int:
+    """Writes the suite's results store (`<runs root>/<suite>`, local) as a suite fit folder keeps it
+    (`fits/<suite>/results.csv`: scaling.endpoints.export_table); returns the number of endpoint rows."""
+    from smelt_jax.results import read_results
+    from smelt_jax.rundir import results_dir
+    from smelt_jax.scaling.endpoints import export_table
+
+    table = read_results(results_dir(suite, root))
+    if table.empty:
+        raise MissingInput(f"no endpoint rows for suite {suite!r} under {results_dir(suite, root)} "
+                           "(`smelt results collect` first)")
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    export_table(table).to_csv(out_path, index=False, float_format="%.8g")
+    return len(table)
