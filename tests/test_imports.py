@@ -26,6 +26,7 @@ LAYERS: dict[str, int] = {
     "sharding": 0,
     "descriptors": 0,
     "matching": 0,
+    "overrides": 0,  # --override key=value on a RunSpec
     "rundir": 0,
     "results": 0,
     "data": 0,

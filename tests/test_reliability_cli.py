@@ -19,7 +19,8 @@ import pandas as pd
 import pytest
 
 from smelt_jax.cli import CliError, main
-from smelt_jax.cli.train import apply_overrides, filesystem_errors
+from smelt_jax.cli import filesystem_errors
+from smelt_jax.overrides import apply_overrides
 from smelt_jax.config import ConfigError
 from smelt_jax.train.lock import LOCK_NAME, LocalLock, LockHeld, holding
 from smelt_jax.train.trainer import TrainOptions

@@ -5,78 +5,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import sys
 
 from smelt_jax.cli import CliError, filesystem_errors, one_line_warnings
-from smelt_jax.config import ConfigError
-from smelt_jax.descriptors import RunSpec
 from smelt_jax.errors import UsageError
-
-def _check_value(key: str, old, value, annotation: str = ""):
-    """`value` converted to the type of the field's current value `old`; ConfigError if it cannot be.
-    `null` is accepted for fields whose annotation allows None."""
-    def fail(want: str):
-        return ConfigError(f"override {key}={json.dumps(value)}: expected {want}")
-
-    if old is None or (value is None and ("None" in annotation or "Optional" in annotation)):
-        return value
-    if isinstance(old, bool):
-        if not isinstance(value, bool):
-            raise fail("true or false")
-        return value
-    if isinstance(old, int):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise fail("an integer")
-        return value
-    if isinstance(old, float):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise fail("a finite number")
-        return float(value)
-    if isinstance(old, str):
-        if not isinstance(value, str):
-            raise fail("a string")
-        return value
-    if isinstance(old, (tuple, list)):
-        if not isinstance(value, list):
-            raise fail("a JSON list, e.g. [1,2]")
-        if old:
-            return [_check_value(key, old[0], v) for v in value]
-        return value
-    return value
-
-
-def apply_overrides(run: RunSpec, overrides: list[str]) -> RunSpec:
-    """`key=value` pairs on the model (`d_model=128` or `model.d_model=128`) or the schedule
-    (`schedule.peak_lr=1e-3`; bare schedule keys work when the model has no such field). Values
-    are JSON (numbers, lists, null) or plain strings. The run's id changes with its content."""
-    model, schedule = run.model.to_dict(), run.schedule.to_dict()
-    # to_dict leaves some defaults out; {name: annotation}
-    model_fields = {f.name: str(f.type) for f in dataclasses.fields(run.model)}
-    schedule_fields = {f.name: str(f.type) for f in dataclasses.fields(run.schedule)}
-    for item in overrides:
-        key, sep, text = item.partition("=")
-        if not sep:
-            raise ConfigError(f"override {item!r} is not key=value")
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError:
-            value = text
-        section, _, name = key.rpartition(".")
-        if section not in ("", "model", "schedule"):
-            raise ConfigError(f"override {key!r}: section must be model or schedule")
-        if section in ("", "model") and name in model_fields:
-            model[name] = _check_value(key, getattr(run.model, name), value, model_fields[name])
-        elif section in ("", "schedule") and name in schedule_fields:
-            schedule[name] = _check_value(key, getattr(run.schedule, name), value,
-                                          schedule_fields[name])
-        else:
-            raise ConfigError(f"override {key!r}: no such model or schedule field")
-    try:
-        return dataclasses.replace(run, model=type(run.model).from_dict(model),
-                                   schedule=type(run.schedule).from_dict(schedule))
-    except (TypeError, ValueError) as err:
-        raise ConfigError(f"--override {' '.join(overrides)}: {err}") from err
+from smelt_jax.overrides import apply_overrides
 
 
 class _NoOrphanFutureErrors(logging.Filter):
