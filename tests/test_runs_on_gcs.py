@@ -213,3 +213,19 @@ def test_results_collect_reads_endpoints_from_the_bucket(bucket_root, tmp_path):
     assert collect(bucket_root, ["unit"], store_root=bucket_root)[0].appended == 0
     local = collect(bucket_root, ["unit"], store_root=tmp_path)  # into a local store
     assert local[0].appended == 2 and len(read_results(tmp_path / "unit")) == 2
+
+
+def test_analysis_tables_go_to_a_bucket(bucket_root):
+    """`smelt analyze --out gs://...`: every table lands in the bucket and reads back equal."""
+    import io
+
+    import pandas as pd
+
+    from smelt_jax.analysis.run_analysis import write_tables
+
+    tables = {"routing_overlap": pd.DataFrame({"layer": [1, 2], "mean_overlap": [0.5, 0.25]}),
+              "sample": pd.DataFrame({"n_rows": [4]})}
+    urls = write_tables(tables, f"{bucket_root}/analysis")
+    assert urls == [f"{bucket_root}/analysis/routing_overlap.csv", f"{bucket_root}/analysis/sample.csv"]
+    for url, table in zip(urls, tables.values()):
+        pd.testing.assert_frame_equal(pd.read_csv(io.StringIO(gcs.read_text(url))), table)

@@ -284,9 +284,16 @@ def analysis_tables(model, corpus, *, n_tokens: int = 8192, seq_len: int = 256, 
 
 
 def write_tables(tables: dict[str, pd.DataFrame], folder) -> list[Any]:
-    """Each table as `<folder>/<name>.csv`; returns the paths."""
+    """Each table as `<folder>/<name>.csv` (a local folder or gs://...); returns the paths (URLs)."""
     from pathlib import Path
 
+    from smelt_jax.data import gcs
+
+    if gcs.is_gcs(folder):
+        urls = [gcs.join(str(folder), f"{name}.csv") for name in tables]
+        for url, table in zip(urls, tables.values()):
+            gcs.write_text(url, table.to_csv(index=False))
+        return urls
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     paths = []

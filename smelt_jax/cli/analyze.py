@@ -16,7 +16,7 @@ def cmd_analyze(args) -> int:
                              attention_rows=args.attention_rows, dyck=not args.no_dyck,
                              dyck_shots=args.dyck_shots, dyck_examples=args.dyck_examples)
     phase = "stable" if loaded.branch is None else f"branch{loaded.branch}"
-    out = Path(args.out) if args.out else loaded.run_root / phase / "analysis"
+    out = args.out if args.out else loaded.run_root / phase / "analysis"  # a local folder or gs://...
     for path in write_tables(tables, out):
         print(path)
     return 0
@@ -38,5 +38,5 @@ def register(subparsers) -> None:
     p.add_argument("--no-dyck", action="store_true", help="skip the Dyck-head ablations")
     p.add_argument("--data-dir", help="token store or corpus folder (default: the embedded corpus)")
     p.add_argument("--runs-dir", help="runs root (default $SMELT_RUNS_DIR or runs/)")
-    p.add_argument("--out", help="output folder")
+    p.add_argument("--out", help="output folder, local or gs://BUCKET/PATH (default <run>/<phase>/analysis)")
     p.set_defaults(handler=cmd_analyze)
