@@ -26,6 +26,35 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _send_generations(server_module) -> None:
+    """Real Cloud Storage answers every media download with the object's `x-goog-generation` and
+    `x-goog-metageneration` headers; this emulator leaves them out, and tensorstore (orbax's OCDBT
+    manifest commits) then reads a malformed generation. The emulator's download handler is wrapped
+    to send them, from the emulator's own object metadata; everything else is the emulator as it is."""
+    from gcp_storage_emulator.handlers import objects
+
+    original = objects.download
+    if getattr(original, "sends_generations", False):
+        return
+
+    def download(request, response, storage, *args, **kwargs):
+        try:
+            obj = storage.get_file_obj(request.params["bucket_name"], request.params["object_id"])
+        except Exception:  # noqa: BLE001 - the emulator's own handler answers a missing object
+            obj = None
+        if obj is not None:
+            response["x-goog-generation"] = str(obj.get("generation") or "1")
+            response["x-goog-metageneration"] = str(obj.get("metageneration") or "1")
+        return original(request, response, storage, *args, **kwargs)
+
+    download.sends_generations = True
+    objects.download = download  # `objects.get` (JSON API, alt=media) calls it by this name
+    for _, handlers in server_module.HANDLERS:  # the routes hold the function itself
+        for method, handler in list(handlers.items()):
+            if handler is original:
+                handlers[method] = download
+
+
 @pytest.fixture(scope="session")
 def gcs_emulator():
     """The emulator's base URL (http://127.0.0.1:PORT); gs://test-bucket/ exists and is empty."""
@@ -33,6 +62,7 @@ def gcs_emulator():
     from smelt_jax.data import gcs
 
     logging.getLogger("gcp_storage_emulator").setLevel(logging.CRITICAL)  # a 404 is not an error here
+    _send_generations(server_module)
     port = _free_port()
     server = server_module.create_server("127.0.0.1", port, in_memory=True, default_bucket=BUCKET)
     server.start()

@@ -12,7 +12,6 @@ from gcs_emulator import BUCKET, gcs_emulator  # noqa: F401 - the fixture
 from smelt_jax.data import gcs
 from smelt_jax.results import EndpointResult, append_result, read_results, rewrite_csv
 from smelt_jax.rundir import results_dir, run_dir, runs_root
-from smelt_jax.train.checkpoint import CheckpointSaveError
 from smelt_jax.train.metrics_log import MetricsWriter, latest_per_step, read_metrics
 
 ROOT = f"gs://{BUCKET}/runs"
@@ -118,21 +117,15 @@ def _losses(metrics) -> list[float]:
 
 
 @pytest.mark.slow
-# The emulator keeps no object generations: when orbax writes its checkpoint index in more than one
-# batch (under CPU load), the conditional second write fails with "Malformed StorageGeneration" (2 of 4
-# runs here). Only that storage failure is expected; a loss mismatch or any other error still fails.
-@pytest.mark.xfail(raises=(CheckpointSaveError, ValueError), strict=False,
-                   reason="gcp-storage-emulator has no object generations (orbax OCDBT index writes)")
 def test_micro_run_on_a_bucket_resumes_and_matches_a_local_run(bucket_root, corpus, monkeypatch,
                                                                 tmp_path):
     """SMELT_RUNS_DIR=gs://...: the stable phase stopped after 5 steps (--stop-after), resumed from
     its gs:// checkpoint, finished; a decay branch forked from the gs:// fork checkpoint writes its
     endpoint row. Same losses and endpoint as the same run on local disk; nothing lands in ./gs:/.
 
-    Flaky on the emulator (passed 2 of 4 runs, 10-26 s): it has no object generations, and when a
-    save's OCDBT manifest commits in more than one batch (under CPU load) the second commit is a write
-    conditioned on the generation read, which fails with "Malformed StorageGeneration". Saving without
-    OCDBT (`StandardCheckpointHandler(use_ocdbt=False)`) hung in orbax's save on the emulator."""
+    The emulator sends no generation headers on downloads; the fixture adds them (tests/gcs_emulator.py),
+    without which an OCDBT manifest committed in more than one batch failed with "Malformed
+    StorageGeneration" (2 of 4 runs)."""
     pytest.importorskip("gcsfs")  # orbax reaches gs:// through etils.epath -> fsspec -> gcsfs
     from smelt_jax.rundir import committed_steps
     from smelt_jax.train.trainer import Preempted, TrainOptions, train
