@@ -6,7 +6,7 @@ Nothing here configures a run or computes anything: descriptors compute their bu
 `fits/paper` tables can compare against them.
 
 - Appendix A (the grid of models): `APPENDIX_A_BASELINE`, `APPENDIX_A_SMELT`, `appendix_a(...)`;
-  the worked example `WORKED_EXAMPLE_FLOPS`; the ablations `ABLATION_LOSS`.
+  the worked example `WORKED_EXAMPLE_FLOPS`; the ablations `ABLATION_LOSS`; the §9 ranges `MECHANISTIC`.
 - The fitted scaling laws (docs/paper.md §7): `BASELINE_LAW`, `SMELT_LAW` (`SmeltLaw` coefficients), `RMSE`,
   `N_POINTS`, and the CE-gain / tokens-per-parameter tables they are compared against (`CE_GAIN` over
   `COMPUTES` x `SPARSITIES`, `TPP_1E21`, `GAMMA`, `COMPUTE_RANGE`).
@@ -65,6 +65,19 @@ ABLATION_LOSS = {
     "depth_baseline": {9: 1.9638, 12: 1.9445, 15: 1.9457, 18: 1.9542},
     "depth_looped": {8: 1.9591, 10: 1.9389, 12: 1.9257, 14: 1.9433},
     "loops": {1: 1.9445, 2: 1.9257, 3: 1.9385, 4: 1.9360},
+}
+
+
+# §9 mechanistic analyses (visit 1 vs visit 2 of a repeated layer), as (low, high) ranges over layers or
+# heads. Routing overlap is |top-8(v1) & top-8(v2)| / 8 at S~97% (2-3 of 8; ~8 of 8 at S~0 with 16 experts).
+MECHANISTIC = {
+    "routing_overlap_fraction": (2 / 8, 3 / 8),
+    "write_norm_ratio": (1.2, 3.5),  # ||dx(2)|| / ||dx(1)|| for dx, dx_attn, dx_moe: all > 1
+    "write_cosine_same_layer": (0.42, 0.65),  # mean 0.56
+    "write_cosine_unrelated": (0.16, 0.16),
+    "stage_cosine_normed_input": (0.84, 0.93), "stage_cosine_q": (0.89, 0.93), "stage_cosine_k": (0.89, 0.93),
+    "stage_cosine_v": (0.65, 0.74), "stage_cosine_pv": (0.56, 0.69), "stage_cosine_attn_out": (0.49, 0.64),
+    "attended_overlap_same_head": (0.56, 0.66), "attended_overlap_control": (0.28, 0.34),
 }
 
 

@@ -155,3 +155,21 @@ def test_suite_folder_is_a_deterministic_function_of_results_csv(tmp_path):
     assert {name: (folder / name).read_bytes() for name in first} == first
     residuals = pd.read_csv(folder / "smelt" / "residuals.csv")
     assert residuals["residual"].abs().max() < 1e-3  # the data are the law itself
+
+
+def test_mechanistic_summary_sets_each_measure_beside_the_papers_range():
+    from smelt_jax.analysis.mechanistic import summary_beside_paper
+
+    tables = {
+        "routing_overlap": pd.DataFrame({"layer": [1, 2], "k": [2, 2], "overlap_fraction": [0.3, 0.5],
+                                         "random_reference": [0.1, 0.1]}),
+        "residual_write_cosines": pd.DataFrame({"pair": ["same_layer", "unrelated"], "mean_cosine": [0.5, 0.2]}),
+        "attention_sink_mass": pd.DataFrame({"layer": [1, 1, 1, 1], "visit": [1, 2, 1, 2], "head": [0, 0, 1, 1],
+                                             "sink_mass": [0.4, 0.1, 0.2, 0.3]}),
+    }
+    summary = summary_beside_paper(tables, paper.MECHANISTIC).set_index("measure")
+    assert summary.loc["routing_overlap_fraction", "mean"] == pytest.approx(0.4)
+    assert bool(summary.loc["routing_overlap_fraction", "inside"]) is False  # paper: 0.25-0.375
+    assert bool(summary.loc["write_cosine_same_layer", "inside"]) is True  # paper: 0.42-0.65
+    assert summary.loc["routing_overlap_random", "mean"] == pytest.approx(0.05)
+    assert summary.loc["sink_v2_below_v1", "mean"] == pytest.approx(0.5)  # head 0 falls, head 1 rises

@@ -239,3 +239,47 @@ def attention_stage_cosines(captures: Captures, stages: Sequence[str] = ATTENTIO
                 }
             )
     return pd.DataFrame(rows)
+
+
+def summary_beside_paper(tables: Mapping[str, pd.DataFrame], paper_ranges: Mapping[str, tuple[float, float]]
+                         ) -> pd.DataFrame:
+    """One row per §9 measure of a looped model's analysis tables (`smelt analyze` CSVs, by name): the
+    mean, min and max over layers (or head pairs) next to the paper's (low, high), and whether the mean
+    lies inside it. `sink_v2_below_v1` (no paper range: "nearly all heads") is the share of the
+    repeated layers' heads whose first-token mass falls from visit 1 to visit 2."""
+    rows = []
+
+    def add(measure: str, values, key: str | None = None):
+        values = np.asarray(values, float)
+        low, high = paper_ranges.get(key or measure, (np.nan, np.nan))
+        mean = float(values.mean()) if values.size else np.nan
+        rows.append({"measure": measure, "mean": mean, "min": float(values.min()) if values.size else np.nan,
+                     "max": float(values.max()) if values.size else np.nan, "n": int(values.size),
+                     "paper_low": low, "paper_high": high,
+                     "inside": bool(low <= mean <= high) if np.isfinite(low) and np.isfinite(mean) else None})
+
+    if "routing_overlap" in tables:
+        add("routing_overlap_fraction", tables["routing_overlap"]["overlap_fraction"])
+        add("routing_overlap_random", tables["routing_overlap"]["random_reference"] /
+            tables["routing_overlap"]["k"])
+    if "residual_write_ratios" in tables:
+        add("write_norm_ratio", tables["residual_write_ratios"]["ratio"])
+    if "residual_write_cosines" in tables:
+        cosines = tables["residual_write_cosines"]
+        for pair in ("same_layer", "unrelated"):
+            add(f"write_cosine_{pair}", cosines[cosines["pair"] == pair]["mean_cosine"])
+    if "attention_stage_cosines" in tables:
+        stages = tables["attention_stage_cosines"]
+        for stage in ATTENTION_STAGES:
+            add(f"stage_cosine_{stage}", stages[stages["stage"] == stage]["mean_cosine"])
+    if "attended_token_overlap" in tables:
+        overlap = tables["attended_token_overlap"]
+        for pair in ("same_head", "control_head"):
+            key = "attended_overlap_same_head" if pair == "same_head" else "attended_overlap_control"
+            add(key, overlap[overlap["pair"] == pair]["mean_overlap"])
+    if "attention_sink_mass" in tables:
+        sink = tables["attention_sink_mass"]
+        both = sink[sink["visit"] == 1].merge(sink[sink["visit"] == 2], on=["layer", "head"],
+                                              suffixes=("_1", "_2"))
+        add("sink_v2_below_v1", (both["sink_mass_2"] < both["sink_mass_1"]).astype(float))
+    return pd.DataFrame(rows)

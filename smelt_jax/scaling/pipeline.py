@@ -300,8 +300,9 @@ def fit_suite_table(out_dir) -> list[Path]:
 
 def suite_extras(out_dir) -> list[Path]:
     """Tables from a suite folder's other committed inputs, where present: `lengths.csv` (validation
-    loss per document-length bucket of matched endpoints: per-bucket gains and the long/short ratio)
-    and `ablations.csv` (the ablation points beside the paper's, §6)."""
+    loss per document-length bucket of matched endpoints: per-bucket gains and the long/short ratio),
+    `ablations.csv` (the ablation points beside the paper's, §6) and `mechanistic/smelt/*.csv` (the §9
+    measures of its largest SMELT model beside the paper's ranges)."""
     out_dir, paths = Path(out_dir), []
     if (out_dir / "lengths.csv").exists():
         by_bucket = endpoints.length_gains(pd.read_csv(out_dir / "lengths.csv"))
@@ -311,6 +312,13 @@ def suite_extras(out_dir) -> list[Path]:
     if (out_dir / "ablations.csv").exists():
         table = endpoints.ablation_table(pd.read_csv(out_dir / "ablations.csv"), paper.ABLATION_LOSS)
         paths += tables.write_table(out_dir, "ablation", table.to_dict("records"), list(table.columns))
+    looped = out_dir / "mechanistic" / "smelt"  # `smelt analyze --out` of the suite's largest SMELT model
+    if (looped / "routing_overlap.csv").exists():
+        from smelt_jax.analysis.mechanistic import summary_beside_paper
+
+        found = {path.stem: pd.read_csv(path) for path in sorted(looped.glob("*.csv"))}
+        summary = summary_beside_paper(found, paper.MECHANISTIC)
+        paths += tables.write_table(out_dir, "mechanistic_summary", summary.to_dict("records"), list(summary.columns))
     return paths
 
 
