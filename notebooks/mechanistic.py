@@ -2,13 +2,15 @@
 # # Mechanistic analyses (docs/paper.md §9)
 # The tables `smelt analyze RUN_ID --out DIR` writes (one CSV each): routing overlap against k²/n,
 # residual-write ratios and cosines, attention-stage cosines, attended-token overlap, sink mass, Gu et
-# al.'s sink rate and the Dyck head. Without an analysis folder, the same library functions run on a small
+# al.'s sink rate and the Dyck head (default: the committed micro replication's largest SMELT model).
+# Without an analysis folder, the same library functions run on a small
 # randomly initialised looped model and random tokens, to show the tables' shapes (numbers meaningless).
 
 # %% parameters
 import os
 
-ANALYSIS_DIR = os.environ.get("SMELT_ANALYSIS_DIR", "")  # output of `smelt analyze`; empty: demo model
+# output of `smelt analyze`; default: the micro replication's largest SMELT model (docs/results-micro.md)
+ANALYSIS_DIR = os.environ.get("SMELT_ANALYSIS_DIR", "fits/micro/mechanistic/smelt")
 
 # %%
 from pathlib import Path

@@ -1,14 +1,15 @@
 # %% [markdown]
 # # Scaling fits, frontiers and compute-equivalent gains
 # Reads the fitted laws of a fit folder (`<fits>/baseline/coefficients.json`, `<fits>/smelt/...`, as
-# `make fits` writes them; `fits/paper` holds the paper's published coefficients), draws the
+# `make fits` writes them; default `fits/micro`, the micro replication; `fits/paper` holds the paper's
+# published coefficients), draws the
 # compute-optimal frontiers L*(C, S) and tabulates the CE gain of SMELT over the Baseline
 # (`smelt_jax.scaling.gains`). With a results table, the endpoints are set against the fitted law.
 
 # %% parameters
 import os
 
-FITS_DIR = os.environ.get("SMELT_FITS_DIR", "fits/paper")
+FITS_DIR = os.environ.get("SMELT_FITS_DIR", "fits/micro")  # fits/paper: the paper's published laws
 CHINCHILLA_DIR = os.environ.get("SMELT_CHINCHILLA_FITS_DIR", "fits/chinchilla")
 RESULTS_DIR = os.environ.get("SMELT_RESULTS_DIR", "")  # a folder with results.parquet; empty: none
 
@@ -40,13 +41,18 @@ coefficients
 # ## Frontiers L*(C, S) and CE gains
 
 # %%
-SPARSITIES = (0.85, 0.95, 0.97)
-COMPUTES = (1e20, 1e21, 1e22)
+SPARSITIES, COMPUTES = (0.85, 0.95, 0.97), (1e20, 1e21, 1e22)  # the paper's table
+pair_file = Path(FITS_DIR) / "pair.json"  # a fit folder's own grid (a trained suite's fitted range)
+if pair_file.exists():
+    import json
+
+    pair = json.loads(pair_file.read_text())
+    SPARSITIES, COMPUTES = tuple(pair["sparsity"]), tuple(pair["compute"])
 if {"baseline", "smelt"} <= set(laws):
     table = pd.DataFrame(gains.gain_rows(laws["baseline"], laws["smelt"], COMPUTES, SPARSITIES))
     table["ce_gain_pct"] = 100 * table["ce_gain"]
     print(table.pivot(index="C", columns="S", values="ce_gain_pct").round(1).to_string())
-    compute = np.logspace(18, 23, 60)
+    compute = np.logspace(np.log10(min(COMPUTES)) - 1, np.log10(max(COMPUTES)) + 1, 60)
     figure, (left, right) = plt.subplots(1, 2, figsize=(10, 3.5))
     for s in SPARSITIES:
         for arch, style in (("baseline", "--"), ("smelt", "-")):

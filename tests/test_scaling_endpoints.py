@@ -173,3 +173,13 @@ def test_mechanistic_summary_sets_each_measure_beside_the_papers_range():
     assert bool(summary.loc["write_cosine_same_layer", "inside"]) is True  # paper: 0.42-0.65
     assert summary.loc["routing_overlap_random", "mean"] == pytest.approx(0.05)
     assert summary.loc["sink_v2_below_v1", "mean"] == pytest.approx(0.5)  # head 0 falls, head 1 rises
+
+
+def test_source_wins_read_each_sources_loss():
+    table = _store(lambda arch, f, s, d: 3.0 - (0.05 if arch == "smelt" else 0.0), sources=("code", "prose"))
+    table.loc[table["arch"] == "smelt", "loss_prose"] += 0.2  # SMELT worse on prose only
+    wins = endpoints.source_wins(table).set_index(["source", "branch"])
+    assert (wins.loc["code", "wins"] == wins.loc["code", "endpoints"]).all()
+    assert (wins.loc["prose", "wins"] == 0).all()
+    assert wins.loc[("prose", 0), "mean_delta"] == pytest.approx(0.15)
+    assert wins.loc[("code", 0), "endpoints"] == 2 * 2  # sparse pairs only: 2 scales x 2 sparse levels

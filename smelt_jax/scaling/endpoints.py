@@ -124,6 +124,22 @@ def empirical_gains(results: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def source_wins(results: pd.DataFrame) -> pd.DataFrame:
+    """Per corpus source and branch, over the sparse matched pairs: SMELT's wins and the mean and median
+    delta (SMELT - Baseline, nats) of that source's validation loss; the law-free per-source reading."""
+    rows = []
+    sparse = results[results["sparsity_label"].astype(str) != DENSE_LABEL]
+    for source in source_names(results):
+        column = f"loss_{source}"
+        table = sparse.drop(columns=["val_loss"]).rename(columns={column: "val_loss"})
+        wins = pair_wins(table)
+        for branch, group in wins.groupby("branch", sort=True):
+            rows.append({"source": source, "branch": int(branch), "tokens": int(group["tokens"].iloc[0]),
+                         "wins": int(group["win"].sum()), "endpoints": len(group),
+                         "mean_delta": float(group["delta"].mean()), "median_delta": float(group["delta"].median())})
+    return pd.DataFrame(rows)
+
+
 def source_laws(results: pd.DataFrame, aggregate: dict[str, SmeltLaw]) -> dict[str, dict[str, SmeltLaw]]:
     """{source: {arch: law}}: each architecture's law refitted to one source's validation loss with E, A, K
     free and a, b, c held at the aggregate fit's values (the paper's per-domain recipe, §8)."""

@@ -341,6 +341,8 @@ def write_endpoint_tables(out_dir, results: pd.DataFrame) -> list[Path]:
         points["residual"] = points["loss"] - points["predicted"]
         paths += tables.write_table(out_dir / arch, "residuals", points.to_dict("records"), list(points.columns))
     if endpoints.source_names(results):
+        by_source = endpoints.source_wins(results)
+        paths += tables.write_table(out_dir, "source_wins", by_source.to_dict("records"), list(by_source.columns))
         pair = json.loads((out_dir / "pair.json").read_text())
         with np.errstate(all="ignore"):
             by_source = endpoints.source_gains(endpoints.source_laws(results, laws), pair["compute"],
