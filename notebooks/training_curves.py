@@ -39,7 +39,20 @@ print(f"{suite_dir}: {curves['run_id'].nunique() if not curves.empty else 0} run
       f"{len(curves)} metric lines, {len(evals)} evaluations")
 
 # %%
-if curves.empty:
+COMMITTED = Path("fits/micro/results.csv")  # the micro replication's endpoints, committed
+if curves.empty and COMMITTED.exists():
+    print(f"no metrics under {suite_dir} (train a run, or point SMELT_RUNS_DIR / SMELT_SUITE elsewhere); "
+          f"showing the committed endpoints of {COMMITTED}: validation loss at each decay horizon")
+    endpoints = pd.read_csv(COMMITTED)
+    figure, axes = plt.subplots(1, 4, figsize=(13, 3.2), sharey=True)
+    for axis, (scale, group) in zip(axes, endpoints.groupby("scale", sort=False)):
+        for (label, arch), run in group.groupby(["sparsity_label", "arch"]):
+            axis.plot(run["tokens"], run["val_loss"], "o-" if arch == "smelt" else "s--", ms=3, lw=1,
+                      label=f"{arch} {label}")
+        axis.set_title(f"micro {scale}", fontsize=9); axis.set_xscale("log"); axis.set_xlabel("tokens")
+    axes[0].set_ylabel("validation loss"); axes[0].legend(fontsize=5)
+    figure.tight_layout()
+elif curves.empty:
     print("no metrics yet: train a run (smelt train RUN_ID) or point SMELT_RUNS_DIR / SMELT_SUITE elsewhere")
 else:
     figure, axis = plt.subplots(figsize=(7, 4))
