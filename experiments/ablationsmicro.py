@@ -73,13 +73,12 @@ def _model(reference: ModelConfig, shape: dict) -> ModelConfig:
 def points() -> list[dict]:
     """Every ablation point: sweep, variant, arch, the model, and where its result comes from
     (`run`: this suite's run id, or the micro run whose final branch it is, with `branch`)."""
+    from experiments import load_suite  # cached: neither suite is matched again
+
     reference = micro.baseline_config(SCALE, EXPERTS)
-    shared = {reference: next(r for r in micro.build()
-                              if r.scale == SCALE and r.sparsity_label == LABEL and r.arch == "baseline"),
-              micro.smelt_config(SCALE, LABEL): next(
-                  r for r in micro.build()
-                  if r.scale == SCALE and r.sparsity_label == LABEL and r.arch == "smelt")}
-    runs = {run.model: run for run in build()}
+    shared = {run.model: run for run in load_suite("micro")
+              if run.scale == SCALE and run.sparsity_label == LABEL}  # its s-s85 Baseline and SMELT
+    runs = {run.model: run for run in load_suite(SUITE)}
     out = []
     for sweep, variant, shape in _shapes():
         model = _model(reference, shape)

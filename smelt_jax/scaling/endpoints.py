@@ -29,7 +29,7 @@ def check_table(results: pd.DataFrame, where: str = "results table") -> pd.DataF
     missing = [c for c in STORE_COLUMNS if c not in results.columns]
     if missing:
         raise UsageError(f"{where}: missing column(s) {', '.join(missing)} (expected the results store's "
-                         "rows: `smelt results collect`, then copy <runs>/<suite>/results.csv)")
+                         "rows: `smelt results export --suite SUITE`)")
     return results
 
 
@@ -63,15 +63,20 @@ def fit_points(results: pd.DataFrame, loss_column: str = "val_loss") -> pd.DataF
         .reset_index(drop=True)[list(FIT_COLUMNS)]
 
 
+def _side_by_side(table: pd.DataFrame, keys: list[str], values: list[str]) -> pd.DataFrame:
+    """The Baseline's and SMELT's rows of `table` joined on `keys`: each value as `<value>_baseline` and
+    `<value>_smelt`, sorted by the keys."""
+    base = table[table["arch"] == "baseline"][keys + values]
+    smelt = table[table["arch"] == "smelt"][keys + values]
+    both = base.merge(smelt, on=keys, suffixes=("_baseline", "_smelt"))
+    return both.sort_values(keys, kind="stable").reset_index(drop=True)
+
+
 def _pairs(results: pd.DataFrame) -> pd.DataFrame:
     """One row per (pair, branch) with both architectures: their F, D and validation loss side by side."""
     check_table(results)
-    keys = ["pair_id", "scale", "sparsity_label", "branch"]
-    cols = keys + ["flops_per_token", "tokens", "val_loss"]
-    base = results[results["arch"] == "baseline"][cols]
-    smelt = results[results["arch"] == "smelt"][cols]
-    both = base.merge(smelt, on=keys, suffixes=("_baseline", "_smelt"))
-    return both.sort_values(keys, kind="stable").reset_index(drop=True)
+    return _side_by_side(results, ["pair_id", "scale", "sparsity_label", "branch"],
+                         ["flops_per_token", "tokens", "val_loss"])
 
 
 def pair_wins(results: pd.DataFrame) -> pd.DataFrame:
@@ -87,13 +92,16 @@ def pair_wins(results: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
+def _win_summary(wins: pd.DataFrame) -> dict:
+    """Wins, endpoints, mean and median delta (nats) of some `pair_wins` rows."""
+    return {"wins": int(wins["win"].sum()), "endpoints": len(wins), "mean_delta": float(wins["delta"].mean()),
+            "median_delta": float(wins["delta"].median())}
+
+
 def win_counts(wins: pd.DataFrame) -> pd.DataFrame:
     """Wins per sparsity level and overall: wins, endpoints, mean and median delta (nats)."""
-    rows = []
-    for label, group in [*wins.groupby("sparsity_label", sort=True), ("all", wins)]:
-        rows.append({"sparsity_label": label, "wins": int(group["win"].sum()), "endpoints": len(group),
-                     "mean_delta": float(group["delta"].mean()), "median_delta": float(group["delta"].median())})
-    return pd.DataFrame(rows)
+    return pd.DataFrame([{"sparsity_label": label, **_win_summary(group)}
+                         for label, group in [*wins.groupby("sparsity_label", sort=True), ("all", wins)]])
 
 
 def empirical_gains(results: pd.DataFrame) -> pd.DataFrame:
@@ -135,8 +143,7 @@ def source_wins(results: pd.DataFrame) -> pd.DataFrame:
         wins = pair_wins(table)
         for branch, group in wins.groupby("branch", sort=True):
             rows.append({"source": source, "branch": int(branch), "tokens": int(group["tokens"].iloc[0]),
-                         "wins": int(group["win"].sum()), "endpoints": len(group),
-                         "mean_delta": float(group["delta"].mean()), "median_delta": float(group["delta"].median())})
+                         **_win_summary(group)})
     return pd.DataFrame(rows)
 
 
@@ -173,7 +180,7 @@ def source_gains(laws: dict[str, dict[str, SmeltLaw]], computes, sparsities, *,
 # validation loss by document length (`smelt eval --json`: validation.by_length).
 
 # The paper compares documents of 512-4096 tokens with documents of 32-256. The embedded corpus (byte-level
-# source files and prose) has almost no documents under 256 bytes (0.15% of its validation tokens), so the
+# source files and prose) has almost no documents under 256 bytes (0.2% of the micro evaluation's tokens), so the
 # micro ratio compares documents of at most 1024 tokens with documents longer than 4096 (docs/results-micro.md).
 SHORT_BUCKETS = (32.0, 64.0, 128.0, 256.0, 512.0, 1024.0)
 LONG_BUCKETS = (float("inf"),)
@@ -202,13 +209,9 @@ def length_rows(payload: dict, results: pd.DataFrame) -> list[dict]:
 def length_gains(lengths: pd.DataFrame) -> pd.DataFrame:
     """Per pair, branch and bucket: the Baseline's and SMELT's loss and the gain (Baseline - SMELT, nats;
     > 0: SMELT is better on documents of that length)."""
-    keys = ["pair_id", "scale", "sparsity_label", "branch", "bucket"]
-    cols = keys + ["n_tokens", "loss"]
-    base = lengths[lengths["arch"] == "baseline"][cols]
-    smelt = lengths[lengths["arch"] == "smelt"][cols]
-    both = base.merge(smelt, on=keys, suffixes=("_baseline", "_smelt"))
+    both = _side_by_side(lengths, ["pair_id", "scale", "sparsity_label", "branch", "bucket"], ["n_tokens", "loss"])
     both["gain"] = both["loss_baseline"] - both["loss_smelt"]
-    return both.sort_values(keys, kind="stable").reset_index(drop=True)
+    return both
 
 
 def _mean_gain(rows: pd.DataFrame, buckets) -> float:

@@ -306,19 +306,19 @@ def suite_extras(out_dir) -> list[Path]:
     out_dir, paths = Path(out_dir), []
     if (out_dir / "lengths.csv").exists():
         by_bucket = endpoints.length_gains(pd.read_csv(out_dir / "lengths.csv"))
-        paths += tables.write_table(out_dir, "length_gain", by_bucket.to_dict("records"), list(by_bucket.columns))
+        paths += tables.write_frame(out_dir, "length_gain", by_bucket)
         ratios = endpoints.length_ratios(by_bucket)
-        paths += tables.write_table(out_dir, "length_ratio", ratios.to_dict("records"), list(ratios.columns))
+        paths += tables.write_frame(out_dir, "length_ratio", ratios)
     if (out_dir / "ablations.csv").exists():
         table = endpoints.ablation_table(pd.read_csv(out_dir / "ablations.csv"), paper.ABLATION_LOSS)
-        paths += tables.write_table(out_dir, "ablation", table.to_dict("records"), list(table.columns))
+        paths += tables.write_frame(out_dir, "ablation", table)
     looped = out_dir / "mechanistic" / "smelt"  # `smelt analyze --out` of the suite's largest SMELT model
     if (looped / "routing_overlap.csv").exists():
         from smelt_jax.analysis.mechanistic import summary_beside_paper
 
         found = {path.stem: pd.read_csv(path) for path in sorted(looped.glob("*.csv"))}
         summary = summary_beside_paper(found, paper.MECHANISTIC)
-        paths += tables.write_table(out_dir, "mechanistic_summary", summary.to_dict("records"), list(summary.columns))
+        paths += tables.write_frame(out_dir, "mechanistic_summary", summary)
     return paths
 
 
@@ -328,26 +328,26 @@ def write_endpoint_tables(out_dir, results: pd.DataFrame) -> list[Path]:
     losses, per-source CE gains from the fixed-exponent refit (paper §8)."""
     out_dir = Path(out_dir)
     wins = endpoints.pair_wins(results)
-    paths = tables.write_table(out_dir, "wins", wins.to_dict("records"), list(wins.columns))
+    paths = tables.write_frame(out_dir, "wins", wins)
     counts = endpoints.win_counts(wins)
-    paths += tables.write_table(out_dir, "win_counts", counts.to_dict("records"), list(counts.columns))
+    paths += tables.write_frame(out_dir, "win_counts", counts)
     empirical = endpoints.empirical_gains(results)
-    paths += tables.write_table(out_dir, "empirical_gain", empirical.to_dict("records"), list(empirical.columns))
+    paths += tables.write_frame(out_dir, "empirical_gain", empirical)
     fits = {arch: io.load_coefficients(out_dir / arch) for arch in ("baseline", "smelt")}
     laws = {arch: data["_law"] for arch, data in fits.items()}
     for arch, law in laws.items():
         points = pd.read_csv(out_dir / arch / "points.csv")
         points["predicted"] = law.predict(points["F"], points["S"], points["D"])
         points["residual"] = points["loss"] - points["predicted"]
-        paths += tables.write_table(out_dir / arch, "residuals", points.to_dict("records"), list(points.columns))
+        paths += tables.write_frame(out_dir / arch, "residuals", points)
     if endpoints.source_names(results):
         by_source = endpoints.source_wins(results)
-        paths += tables.write_table(out_dir, "source_wins", by_source.to_dict("records"), list(by_source.columns))
+        paths += tables.write_frame(out_dir, "source_wins", by_source)
         pair = json.loads((out_dir / "pair.json").read_text())
         with np.errstate(all="ignore"):
             by_source = endpoints.source_gains(endpoints.source_laws(results, laws), pair["compute"],
                                                pair["sparsity"], compute_range=_common_range(fits.values()))
-        paths += tables.write_table(out_dir, "source_gain", by_source.to_dict("records"), list(by_source.columns))
+        paths += tables.write_frame(out_dir, "source_gain", by_source)
     return paths
 
 

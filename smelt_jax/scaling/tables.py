@@ -77,6 +77,11 @@ def write_table(out_dir, stem: str, rows: list[dict], columns: list[str], header
     return paths
 
 
+def write_frame(out_dir, stem: str, frame) -> list[Path]:
+    """`write_table` of a DataFrame: one row per record, its columns in order."""
+    return write_table(out_dir, stem, frame.to_dict("records"), list(frame.columns))
+
+
 def coefficient_rows(coefficients: dict) -> list[dict]:
     """One row per parameter: estimate, and SE / interval when bootstrapped."""
     law = coefficients["_law"]
