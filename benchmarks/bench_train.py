@@ -21,13 +21,13 @@ def run() -> str:
 
     import experiments
     from smelt_jax import budget as budget_lib
-    from smelt_jax.data.corpus import Corpus, build_corpus
+    from smelt_jax.data.corpus import open_dataset
     from smelt_jax.data.pipeline import TrainPipeline
     from smelt_jax.train.state import init_params
     from smelt_jax.train.step import make_train_step, optimizer
     from smelt_jax.train.trainer import peak_flops_per_device
 
-    corpus = Corpus(build_corpus(progress=False).folder)
+    corpus = open_dataset(None)
     peak, peak_source = peak_flops_per_device()
     rows = []
     for run_spec in experiments.load_suite("micro"):

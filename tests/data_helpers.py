@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from smelt_jax.data.corpus import BuildConfig, Corpus, build_corpus
+from smelt_jax.data.corpus import BuildConfig, build_corpus
+from smelt_jax.data.token_store import TokenStore
 from smelt_jax.data.sources import FileSet, Roots, SourceSpec
 
 TINY_SOURCES = (
@@ -47,7 +48,7 @@ def tiny_config(roots: Roots, **changes) -> BuildConfig:
                        **changes)
 
 
-def build_tiny_corpus(root: Path, **changes) -> Corpus:
+def build_tiny_corpus(root: Path, **changes) -> TokenStore:
     roots = write_fake_tree(root / "src")
     result = build_corpus(root / "corpus", tiny_config(roots, **changes), progress=False)
-    return Corpus(result.folder)
+    return TokenStore(result.folder)

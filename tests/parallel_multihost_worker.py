@@ -16,12 +16,12 @@ jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processe
 
 from pathlib import Path
 
-from smelt_jax.data.corpus import Corpus
+from smelt_jax.data.token_store import TokenStore
 from smelt_jax.parallel.layout import parse_layout
 from smelt_jax.train.trainer import train
 from tests.test_parallel_multihost import OPTIONS, micro_run
 
 assert jax.process_count() == 2 and jax.device_count() == 4, (jax.process_count(), jax.device_count())
-summary = train(micro_run(), root=Path(root), corpus=Corpus(corpus_dir), options=OPTIONS,
+summary = train(micro_run(), root=Path(root), corpus=TokenStore(corpus_dir), options=OPTIONS,
                 parallelism=parse_layout(layout))
 print("DONE", summary)

@@ -202,7 +202,7 @@ def test_eval_of_a_trained_run_matches_the_trainer_and_is_consistent(trained, tm
 def test_cli_eval_json_and_analyze_csvs(trained, tmp_path, capsys):
     from smelt_jax.cli import main
     run, root, corpus = trained
-    code = main(["eval", run.id, "--runs-dir", str(root), "--data-dir", str(corpus.folder), "--json",
+    code = main(["eval", run.id, "--runs-dir", str(root), "--data-dir", str(corpus.root), "--json",
                  "--dyck-shots", "1", "--dyck-examples", "2", "--eval-tokens", "128", "--max-len", "512"])
     assert code == 0
     payload = json.loads(capsys.readouterr().out)

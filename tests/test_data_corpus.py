@@ -18,12 +18,12 @@ from smelt_jax.data.corpus import (
     EXPECTED_FILE,
     MANIFEST_NAME,
     BuildConfig,
-    Corpus,
     CorpusError,
     DigestMismatch,
     build_corpus,
     check_expected,
     expected_record,
+    open_dataset,
     verify_corpus,
 )
 from smelt_jax.data.inputs import PINNED_ARCHIVES
@@ -35,10 +35,20 @@ from smelt_jax.data.sources import (
     list_files,
     split_document,
 )
+from smelt_jax.data.token_store import StoreError, TokenStore
 from smelt_jax.data.tokenizer import ByteTokenizer
 
 
-def _documents(corpus: Corpus, source: str, split: str) -> list[bytes]:
+def _sources(corpus: TokenStore) -> dict[str, dict]:
+    return {entry["name"]: entry for entry in corpus.manifest["sources"]}
+
+
+def _origins(corpus: TokenStore, source: str, split: str) -> list[str]:
+    lines = (Path(corpus.root) / "origins.txt").read_text().splitlines()
+    return [lines[i] for i in corpus.document_ids(source, split)]
+
+
+def _documents(corpus: TokenStore, source: str, split: str) -> list[bytes]:
     part = corpus.split(source, split)
     tok = corpus.tokenizer
     out = []
@@ -103,24 +113,21 @@ def test_tiny_build_contents_provenance_and_splits(tmp_path):
         train, val = _documents(corpus, source, "train"), _documents(corpus, source, "val")
         assert train and val, f"{source}: both splits must be non-empty"
         assert not set(train) & set(val)
-        meta = manifest["sources"][source]["splits"]
+        meta = _sources(corpus)[source]["splits"]
         assert meta["train"]["documents"] == len(train) and meta["val"]["documents"] == len(val)
-        origins = (corpus.folder / meta["val"]["files"]["origins"]).read_text().splitlines()
-        assert len(origins) == len(val)
+        assert len(_origins(corpus, source, "val")) == len(val)
     # Code documents are chunks (<= 512 bytes) of the fake modules; chunks of one file stay together.
     code = _documents(corpus, "code", "train") + _documents(corpus, "code", "val")
     assert all(len(d) <= 512 for d in code)
     assert sorted(fake_py) == sorted(set(fake_py))  # distinct fake files
     rebuilt = {}
     for split in ("train", "val"):
-        part = corpus.manifest["sources"]["code"]["splits"][split]
-        origins = (corpus.folder / part["files"]["origins"]).read_text().splitlines()
-        for origin, doc in zip(origins, _documents(corpus, "code", split)):
+        for origin, doc in zip(_origins(corpus, "code", split), _documents(corpus, "code", split)):
             rebuilt.setdefault(origin.split("#")[0], []).append((split, doc))
     assert {b"".join(d for _, d in chunks) for chunks in rebuilt.values()} == fake_py
     assert all(len({s for s, _ in chunks}) == 1 for chunks in rebuilt.values())
     # Binary, non-UTF-8 and pattern-excluded files are not used, and are counted.
-    prov = manifest["sources"]["code"]["provenance"][0]
+    prov = _sources(corpus)["code"]["provenance"][0]
     assert prov["files_matched"] == len(fake_py) + 2 and prov["files_used"] == len(fake_py)
     assert prov["files_skipped"] == 2
     words = b"".join(_documents(corpus, "words", "train") + _documents(corpus, "words", "val"))
@@ -135,7 +142,7 @@ def test_split_depends_only_on_content(tmp_path):
     roots = write_fake_tree(tmp_path / "b" / "src")
     for path in sorted(Path(roots.get("stdlib"), "pkg").glob("mod*.py")):
         path.rename(path.with_name("z_" + path.name))
-    second = Corpus(build_corpus(tmp_path / "b" / "corpus", tiny_config(roots), progress=False).folder)
+    second = TokenStore(build_corpus(tmp_path / "b" / "corpus", tiny_config(roots), progress=False).folder)
     assert sorted(_documents(first, "code", "val")) == sorted(_documents(second, "code", "val"))
 
 
@@ -145,10 +152,10 @@ def test_duplicates_across_sources_kept_once(tmp_path):
     sources = TINY_SOURCES[:1] + (SourceSpec("dup", "prose:english", "licences",
                                              (FileSet("licenses", ("*",)),), 1_000_000),)
     config = BuildConfig(sources=sources, roots=roots, val_fraction=0.2, max_document_bytes=100_000)
-    corpus = Corpus(build_corpus(tmp_path / "c", config, progress=False).folder)
+    corpus = TokenStore(build_corpus(tmp_path / "c", config, progress=False).folder)
     dup_docs = _documents(corpus, "dup", "train") + _documents(corpus, "dup", "val")
     assert Path(roots.get("stdlib"), "pkg", "mod00.py").read_bytes() not in dup_docs
-    assert corpus.manifest["sources"]["dup"]["duplicates_dropped"] == 1
+    assert _sources(corpus)["dup"]["duplicates_dropped"] == 1
 
 
 def test_build_is_idempotent_and_detects_corruption(tmp_path):
@@ -156,45 +163,53 @@ def test_build_is_idempotent_and_detects_corruption(tmp_path):
     config = tiny_config(roots)
     first = build_corpus(tmp_path / "corpus", config, progress=False)
     assert first.built
-    mtimes = {p.name: p.stat().st_mtime_ns for p in first.folder.iterdir()}
+    files = sorted(p for p in first.folder.rglob("*") if p.is_file())
+    mtimes = {p: p.stat().st_mtime_ns for p in files}
     second = build_corpus(tmp_path / "corpus", config, progress=False)
-    assert not second.built and second.manifest["corpus_digest"] == first.manifest["corpus_digest"]
-    assert {p.name: p.stat().st_mtime_ns for p in first.folder.iterdir()} == mtimes
+    assert not second.built and second.manifest["store_digest"] == first.manifest["store_digest"]
+    assert {p: p.stat().st_mtime_ns for p in files} == mtimes
     # A different recipe over the same folder is refused.
     with pytest.raises(CorpusError, match="another recipe"):
         build_corpus(tmp_path / "corpus", tiny_config(roots, corpus_version="other"), progress=False)
-    # Flip one byte in a shard: verification and a rebuild attempt both name the file.
-    name = first.manifest["sources"]["code"]["splits"]["train"]["files"]["tokens"]
-    path = first.folder / name
-    data = bytearray(path.read_bytes())
-    data[-3] ^= 0xFF
-    path.write_bytes(bytes(data))
-    with pytest.raises(CorpusError, match=name.replace(".", r"\.") + ": sha256 mismatch"):
+    # Change one stored token (rewriting its chunk): verification and a rebuild attempt name the array.
+    import tensorstore as ts
+
+    tokens = ts.open({"driver": "zarr3", "kvstore": {"driver": "file",
+                                                     "path": str(first.folder / "arrays" / "tokens")}}).result()
+    tokens[5].write(np.uint16(int(tokens[5].read().result()) ^ 1)).result()
+    with pytest.raises(CorpusError, match="tokens: digest mismatch"):
         verify_corpus(first.folder)
-    with pytest.raises(CorpusError, match="sha256 mismatch"):
+    with pytest.raises(CorpusError, match="tokens: digest mismatch"):
         build_corpus(tmp_path / "corpus", config, progress=False)
-    Corpus(first.folder)  # a cheap open (sizes only) still works
+    TokenStore(first.folder)  # a cheap open (sizes only) still works
     # --force rebuilds to the identical corpus.
     forced = build_corpus(tmp_path / "corpus", config, force=True, progress=False)
-    assert forced.built and forced.manifest["checksums"] == first.manifest["checksums"]
+    assert forced.built and forced.manifest["arrays"] == first.manifest["arrays"]
+    assert forced.manifest["store_digest"] == first.manifest["store_digest"]
     verify_corpus(first.folder)
-    # A missing file is reported too.
-    os.remove(first.folder / name)
-    with pytest.raises(CorpusError, match="missing"):
+    # A missing or edited origins file is reported too.
+    (first.folder / "origins.txt").write_text("edited\n")
+    with pytest.raises(CorpusError, match="origins.txt sha256 mismatch"):
+        verify_corpus(first.folder)
+    os.remove(first.folder / "origins.txt")
+    with pytest.raises(CorpusError, match="origins.txt missing"):
         verify_corpus(first.folder)
 
 
-def test_open_refuses_other_tokenizer_and_bad_folders(tmp_path):
+def test_open_refuses_bad_folders(tmp_path):
     corpus = build_tiny_corpus(tmp_path)
-    with pytest.raises(CorpusError, match="tokenizer"):
-        Corpus(corpus.folder, tokenizer=ByteTokenizer(vocab_size=1024))
-    with pytest.raises(CorpusError, match="no corpus"):
-        Corpus(tmp_path / "nowhere")
-    manifest = json.loads((corpus.folder / MANIFEST_NAME).read_text())
-    manifest["sources"]["code"]["splits"]["train"]["tokens"] += 1
-    (corpus.folder / MANIFEST_NAME).write_text(json.dumps(manifest))
-    with pytest.raises(CorpusError, match="does not match"):
-        Corpus(corpus.folder)
+    with pytest.raises(CorpusError, match="no token store"):
+        verify_corpus(tmp_path / "nowhere")
+    old = tmp_path / "old"  # a corpus of the numpy format (v2): rebuild it
+    old.mkdir()
+    (old / MANIFEST_NAME).write_text(json.dumps({"format": "smelt-corpus/1"}))
+    with pytest.raises(CorpusError, match="smelt data build"):
+        build_corpus(old, tiny_config(write_fake_tree(tmp_path / "src2")), progress=False)
+    manifest = json.loads((Path(corpus.root) / MANIFEST_NAME).read_text())
+    manifest["arrays"]["tokens"]["shape"] = [manifest["arrays"]["tokens"]["shape"][0] + 1]
+    (Path(corpus.root) / MANIFEST_NAME).write_text(json.dumps(manifest))
+    with pytest.raises(StoreError, match="do not match the manifest"):
+        open_dataset(corpus.root)
     with pytest.raises(ValueError):
         BuildConfig(sources=TINY_SOURCES, roots=Roots.of(), val_fraction=0)
 
@@ -214,10 +229,10 @@ def _default_roots() -> Roots:
 def test_default_sources_read_the_pinned_archives(tmp_path):
     """The default recipe at 1/40 of its caps: every source reads real text from the pinned archives."""
     small = tuple(dataclasses.replace(s, max_bytes=s.max_bytes // 40) for s in DEFAULT_SOURCES)
-    corpus = Corpus(build_corpus(tmp_path / "small", BuildConfig(sources=small), progress=False).folder)
+    corpus = open_dataset(build_corpus(tmp_path / "small", BuildConfig(sources=small), progress=False).folder)
     assert sorted(s.name for s in DEFAULT_SOURCES) == sorted(corpus.sources)
     for spec in small:
-        meta = corpus.manifest["sources"][spec.name]
+        meta = _sources(corpus)[spec.name]
         used = sum(p["bytes"] for p in meta["provenance"])
         assert spec.max_bytes <= used <= spec.max_bytes + (1 << 20), spec.name
         assert meta["splits"]["train"]["documents"] > 0 and meta["splits"]["val"]["documents"] > 0
@@ -293,7 +308,7 @@ def test_build_refuses_a_corpus_other_than_the_committed_one(tmp_path, monkeypat
     config = tiny_config(roots)
     good = build_corpus(tmp_path / "good", config, progress=False)
     record = expected_record(good.manifest)
-    record["corpus_digest"] = "0" * 64
+    record["store_digest"] = "0" * 64
     record["sources"]["tables"]["digest"] = "0" * 64
     expected_path = tmp_path / "expected.json"
     expected_path.write_text(json.dumps(record))
@@ -311,18 +326,17 @@ def test_default_corpus_builds_to_the_committed_digest(tmp_path):
     started = time.time()
     result = build_corpus(tmp_path / "default", BuildConfig(), progress=False)
     seconds = time.time() - started
-    corpus = Corpus(result.folder)
-    assert corpus.digest == json.loads(EXPECTED_FILE.read_text())["corpus_digest"]
-    kinds = {corpus.manifest["sources"][s]["kind"] for s in corpus.sources}
+    corpus = open_dataset(result.folder, verify=True)
+    assert corpus.digest == json.loads(EXPECTED_FILE.read_text())["store_digest"]
+    kinds = {meta["kind"] for meta in _sources(corpus).values()}
     assert {"code:python", "code:c", "prose:english", "structured"} <= kinds
     for spec in DEFAULT_SOURCES:
-        meta = corpus.manifest["sources"][spec.name]
+        meta = _sources(corpus)[spec.name]
         assert meta["splits"]["train"]["tokens"] > 500_000, spec.name
         assert meta["splits"]["val"]["tokens"] > 10_000, spec.name
         # A source stops within one file (<= 1 MiB) past its cap.
-        assert meta["splits"]["train"]["text_bytes"] + meta["splits"]["val"]["text_bytes"] \
-            <= spec.max_bytes + (1 << 20)
-    total_mb = sum(p.stat().st_size for p in result.folder.iterdir()) / 1e6
+        assert meta["text_bytes"] <= spec.max_bytes + (1 << 20)
+    total_mb = sum(p.stat().st_size for p in result.folder.rglob("*") if p.is_file()) / 1e6
     assert total_mb < 80
     assert seconds < 90
 
@@ -331,13 +345,15 @@ def test_cli_info_and_errors(tmp_path, capsys):
     from smelt_jax.cli import main
 
     corpus = build_tiny_corpus(tmp_path)
-    assert main(["data", "info", "--corpus-dir", str(corpus.folder), "--verify"]) == 0
+    assert main(["data", "info", "--corpus-dir", corpus.root, "--verify"]) == 0
     out = capsys.readouterr().out
-    assert "bytes-v1" in out and "checksums verified" in out
+    assert "tokenizer bytes" in out and "digests verified" in out
     for source in corpus.sources:
         assert f"| {source} |" in out
+    assert main(["data", "store-info", corpus.root]) == 0  # the embedded corpus is a token store
+    assert "the embedded corpus" in capsys.readouterr().out
     assert main(["data", "info", "--corpus-dir", str(tmp_path / "none")]) == 2
-    assert "no corpus" in capsys.readouterr().err
+    assert "no token store" in capsys.readouterr().err
 
 
 def test_inputs_from_a_mirror_and_a_missing_archive_is_one_line(tmp_path, monkeypatch, capsys):

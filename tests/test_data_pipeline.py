@@ -262,21 +262,6 @@ def test_validation_host_slices_and_truncation(corpus):
 
 
 # A prepared token store as the source ---------------------------------------------------------------
-class _InMemory:
-    """The same documents as plain numpy arrays: what the pipeline reads from an embedded corpus."""
-
-    def __init__(self, store) -> None:
-        from smelt_jax.data.corpus import SplitArrays
-
-        self.sources, self.tokenizer = store.sources, store.tokenizer
-        self._splits = {(s, split): SplitArrays(np.asarray(store.split(s, split).tokens),
-                                                store.split(s, split).offsets)
-                        for s in store.sources for split in ("train", "val")}
-
-    def split(self, source, split):
-        return self._splits[(source, split)]
-
-
 @pytest.fixture(scope="module")
 def byte_store(tmp_path_factory):
     import json
@@ -299,7 +284,7 @@ def byte_store(tmp_path_factory):
 
 def test_token_store_batches_equal_plain_arrays(byte_store):
     """The store's lazy token view gives the batches numpy arrays of the same documents give."""
-    reference = _InMemory(byte_store)
+    reference = byte_store.in_memory()  # every split read whole
     assert byte_store.tokenizer.pad_id == PAD and byte_store.sources == ("code", "prose", "tables")
     a = TrainPipeline(byte_store, batch_size=4, seq_len=48, seed=1, host_index=0, host_count=1)
     b = TrainPipeline(reference, batch_size=4, seq_len=48, seed=1, host_index=0, host_count=1)

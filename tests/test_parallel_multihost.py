@@ -52,7 +52,7 @@ def test_two_processes_train_like_one_and_their_checkpoint_restores_elsewhere(tm
     env.pop("XLA_FLAGS", None)
     # data 2 x fsdp 2: the batch and the FSDP shards both span the two processes.
     workers = [subprocess.Popen([sys.executable, str(REPO / "tests" / "parallel_multihost_worker.py"),
-                                 str(port), str(i), str(corpus.folder), str(tmp_path / "multi"),
+                                 str(port), str(i), str(corpus.root), str(tmp_path / "multi"),
                                  "data=2,fsdp=2"], env=env, cwd=REPO, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True) for i in range(2)]
     outputs = [w.communicate(timeout=300)[0] for w in workers]

@@ -99,14 +99,14 @@ TWO_TRAINERS = """
 import sys
 sys.path.insert(0, {repo!r})
 import experiments
-from smelt_jax.data.corpus import Corpus
+from smelt_jax.data.token_store import TokenStore
 import smelt_jax.train.trainer as trainer
 from tests.test_trainer import _run
 run = _run()
 run = run.__class__(**{{**run.__dict__, "schedule": run.schedule.replace(stable_steps=40,
                                                                           fork_steps=(40,))}})
 experiments.find_run = lambda run_id: run
-trainer._load_corpus = lambda: Corpus({corpus!r})
+trainer._load_corpus = lambda: TokenStore({corpus!r})
 from smelt_jax.cli import main
 sys.exit(main(["train", run.id, "--quiet", "--log-every", "1", "--checkpoint-every", "10"]))
 """
@@ -115,7 +115,7 @@ sys.exit(main(["train", run.id, "--quiet", "--log-every", "1", "--checkpoint-eve
 def test_two_trainers_of_one_run_one_trains_the_other_exits_2_at_once(tmp_path, corpus):
     """Issue item 3: the second trainer used to die after its start-up with an orbax TimeoutError
     traceback, having logged step 10 twice. Real processes, started together."""
-    script = TWO_TRAINERS.format(repo=str(REPO), corpus=str(corpus.folder))
+    script = TWO_TRAINERS.format(repo=str(REPO), corpus=str(corpus.root))
     env = {**os.environ, "SMELT_RUNS_DIR": str(tmp_path)}
     started = time.monotonic()
     procs = [subprocess.Popen([sys.executable, "-c", script], cwd=REPO, env=env, text=True,
@@ -359,7 +359,7 @@ def test_smelt_train_on_a_full_tmpfs_stops_at_the_failed_save_with_one_line(tmp_
     folder = tmp_path / "unit" / run.id / "stable" / "checkpoints"
     folder.mkdir(parents=True)
     script = tmp_path / "train.py"
-    script.write_text(TWO_TRAINERS.format(repo=str(REPO), corpus=str(corpus.folder)))
+    script.write_text(TWO_TRAINERS.format(repo=str(REPO), corpus=str(corpus.root)))
     shell = f"mount -t tmpfs -o size=64k none {folder} && exec {sys.executable} {script}"
     result = subprocess.run(["unshare", "-rm", "sh", "-c", shell], cwd=REPO, capture_output=True,
                             text=True, timeout=300,
@@ -389,7 +389,7 @@ def test_lock_of_a_killed_trainer_is_taken_over_by_the_next_one(tmp_path, corpus
     """kill -9 leaves trainer.lock behind; the next `smelt train` of the run takes it over at once
     (same host, dead pid) and finishes."""
     import signal
-    script = TWO_TRAINERS.format(repo=str(REPO), corpus=str(corpus.folder))
+    script = TWO_TRAINERS.format(repo=str(REPO), corpus=str(corpus.root))
     env = {**os.environ, "SMELT_RUNS_DIR": str(tmp_path)}
     proc = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

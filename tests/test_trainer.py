@@ -138,13 +138,13 @@ import sys
 from pathlib import Path
 sys.path.insert(0, {repo!r})
 from smelt_jax.train.trainer import PREEMPTED_EXIT_CODE, Preempted, TrainOptions, train
-from smelt_jax.data.corpus import Corpus
+from smelt_jax.data.token_store import TokenStore
 from tests.test_trainer import OPTIONS, _run
 import dataclasses
 run = _run().__class__(**{{**_run().__dict__, "schedule": _run().schedule.replace(
     stable_steps=400, fork_steps=(400,))}})
 try:
-    train(run, root=Path({root!r}), corpus=Corpus({corpus!r}),
+    train(run, root=Path({root!r}), corpus=TokenStore({corpus!r}),
           options=dataclasses.replace(OPTIONS, checkpoint_every=1000))
 except Preempted:
     sys.exit(PREEMPTED_EXIT_CODE)
@@ -161,7 +161,7 @@ def test_sigterm_saves_and_exits_42(tmp_path, corpus):
     from pathlib import Path
 
     repo = str(Path(__file__).resolve().parents[1])
-    script = SIGTERM_SCRIPT.format(repo=repo, root=str(tmp_path), corpus=str(corpus.folder))
+    script = SIGTERM_SCRIPT.format(repo=repo, root=str(tmp_path), corpus=str(corpus.root))
     proc = subprocess.Popen([sys.executable, "-c", script], cwd=repo, env={**os.environ},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     metrics = None

@@ -8,7 +8,7 @@ from pathlib import Path
 def cmd_analyze(args) -> int:
     from smelt_jax.analysis.evaluate import load_model
     from smelt_jax.analysis.run_analysis import analysis_tables, write_tables
-    from smelt_jax.data.token_store import open_dataset
+    from smelt_jax.data.corpus import open_dataset
     root = Path(args.runs_dir) if args.runs_dir else None
     loaded = load_model(args.target, args.branch, root=root)
     tables = analysis_tables(loaded.model, open_dataset(args.data_dir), n_tokens=args.tokens,

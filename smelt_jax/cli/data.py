@@ -29,7 +29,7 @@ def register(subparsers) -> None:
 
     info = actions.add_parser("info", help="sources, documents, tokens and provenance of a built corpus")
     info.add_argument("--corpus-dir", type=Path, default=None, help="corpus folder (default as for build)")
-    info.add_argument("--verify", action="store_true", help="also recompute every sha256")
+    info.add_argument("--verify", action="store_true", help="also recompute every digest")
     info.set_defaults(handler=_info)
 
     prep = actions.add_parser(
@@ -108,39 +108,38 @@ def _build(args) -> int:
     verb = "built" if result.built else "up to date (checksums verified)"
     print(f"corpus {result.manifest['corpus_version']} at {result.folder}: {verb}; "
           f"{totals['train']['tokens']:,} train / {totals['val']['tokens']:,} validation tokens; "
-          f"digest {result.manifest['corpus_digest'][:16]}")
+          f"digest {result.manifest['store_digest'][:16]}")
     return 0
 
 
 def _info(args) -> int:
-    from smelt_jax.data.corpus import Corpus, CorpusError, default_corpus_dir
+    from smelt_jax.data.corpus import CorpusError, default_corpus_dir, read_manifest, verify_corpus
+    from smelt_jax.data.token_store import TokenStore
 
     folder = args.corpus_dir or default_corpus_dir()
     try:
-        corpus = Corpus(folder, verify=args.verify)
+        manifest = verify_corpus(folder) if args.verify else read_manifest(folder)
     except CorpusError as err:
         raise CliError(str(err)) from err
-    manifest = corpus.manifest
-    print(f"corpus {manifest['corpus_version']} at {folder}")
-    print(f"  digest {manifest['corpus_digest']}  recipe {manifest['recipe_digest']}"
-          + ("  (checksums verified)" if args.verify else ""))
-    tok = manifest["tokenizer"]
-    print(f"  tokenizer {tok['version']}: vocab {tok['vocab_size']}, BOS {tok['bos_id']}, "
-          f"EOS {tok['eos_id']}, PAD {tok['pad_id']}")
+    store = TokenStore(folder)
+    print(f"corpus {manifest['corpus_version']} at {folder} (a token store)")
+    print(f"  digest {manifest['store_digest']}  recipe {manifest['recipe_digest']}"
+          + ("  (digests verified)" if args.verify else ""))
+    print(f"  {_describe_tokenizer(store.tokenizer)}")
     print(f"  built {manifest['build']['built_at']} in {manifest['build']['seconds']} s "
           f"(Python {manifest['build']['python']})")
     print()
     print("| source | kind | train docs | train tokens | val docs | val tokens |")
     print("|---|---|---:|---:|---:|---:|")
-    for row in corpus.summary():
+    for row in store.summary():
         print(f"| {row['source']} | {row['kind']} | {row['train_documents']:,} | {row['train_tokens']:,} "
               f"| {row['val_documents']:,} | {row['val_tokens']:,} |")
     print()
     print("provenance (files matched / used / skipped, bytes):")
-    for source, meta in manifest["sources"].items():
+    for meta in manifest["sources"]:
         for part in meta["provenance"]:
-            print(f"  {source:<11} {part['root']:<15} {part['files_matched']:>6} / {part['files_used']:>5} / "
-                  f"{part['files_skipped']:>4}  {part['bytes']:>11,}  {part['path']}")
+            print(f"  {meta['name']:<11} {part['root']:<15} {part['files_matched']:>6} / "
+                  f"{part['files_used']:>5} / {part['files_skipped']:>4}  {part['bytes']:>11,}  {part['path']}")
     return 0
 
 
@@ -215,10 +214,14 @@ def _store_info(args) -> int:
     print(f"token store at {store.root}")
     print(f"  digest {manifest['store_digest']}" + ("  (digests verified)" if args.verify else ""))
     print(f"  {_describe_tokenizer(store.tokenizer)}")
-    prep = manifest["prepare"]
-    print(f"  prepared {prep['prepared_at']} in {prep['seconds']} s on {prep['workers']} process(es), "
-          f"{len(manifest['inputs'])} input shard(s), {manifest['totals']['duplicates_dropped']:,} duplicates "
-          "dropped")
+    if "prepare" in manifest:
+        prep = manifest["prepare"]
+        print(f"  prepared {prep['prepared_at']} in {prep['seconds']} s on {prep['workers']} process(es), "
+              f"{len(manifest['inputs'])} input shard(s), {manifest['totals']['duplicates_dropped']:,} "
+              "duplicates dropped")
+    else:
+        print(f"  the embedded corpus {manifest.get('corpus_version')} (`smelt data build`; "
+              "`smelt data info` shows its provenance)")
     print()
     print("| source | train docs | train tokens | val docs | val tokens |")
     print("|---|---:|---:|---:|---:|")

@@ -42,7 +42,7 @@ def cmd_eval(args) -> int:
     shots = parse_shots(args.dyck_shots)
     root = Path(args.runs_dir) if args.runs_dir else None
     loaded = load_model(args.target, args.branch, root=root)
-    from smelt_jax.data.token_store import open_dataset
+    from smelt_jax.data.corpus import open_dataset
 
     corpus = None if args.no_validation else open_dataset(args.data_dir)
     seq_len = int(loaded.run["schedule"]["seq_len"])

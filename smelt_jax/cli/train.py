@@ -93,7 +93,7 @@ def cmd_train(args) -> int:
 
     corpus = None
     if args.data_dir:
-        from smelt_jax.data.token_store import open_dataset
+        from smelt_jax.data.corpus import open_dataset
         corpus = open_dataset(args.data_dir)
         if corpus.tokenizer.vocab_size > run.model.vocab:
             raise UsageError(f"--data-dir {args.data_dir}: its tokenizer has {corpus.tokenizer.vocab_size} "

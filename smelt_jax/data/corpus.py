@@ -1,18 +1,20 @@
-"""The embedded default corpus: build it offline from text on the machine, store it tokenized, verify it.
+"""The embedded default corpus: build it offline from pinned archives, store it as a token store, verify it.
 
-On disk (one folder per corpus, default `$SMELT_DATA_DIR/<version>` or `<repo>/data_cache/<version>`):
+The corpus is a token store (smelt_jax/data/token_store.py: zarr3 arrays written with tensorstore, read
+by `TokenStore`, the one reader of training data) with the byte-level tokenizer, in one folder (default
+`$SMELT_DATA_DIR/<version>` or `<repo>/data_cache/<version>`). Besides the store's arrays and manifest it
+holds `origins.txt`: one line per document, in token-array order, "root:relative/path#text.chunk".
+The manifest adds to the store's fields the recipe (`recipe_digest`, `corpus_version`), the pinned inputs,
+per source its kind, provenance, input files (sha256 each) and a content `digest`, and the build's facts.
 
-    manifest.json                        provenance, counts, tokenizer, sha256 of every file below
-    <source>.<split>.tokens.npy          uint16 [tokens]: documents back to back, each BOS + bytes + EOS
-    <source>.<split>.offsets.npy         int64 [documents + 1]: document d is tokens[off[d]:off[d+1]]
-    <source>.<split>.origins.txt         one line per document: "root:relative/path#text.chunk"
+Documents are stored source by source (in recipe order), each source's documents in the order they were
+read. A document goes to validation when the first 8 bytes of the sha256 of its text, read as a fraction
+of 2**64, fall below `val_fraction` (every source keeps at least one document on each side when it has
+two or more), so the split depends only on content, never on order or machine: the rule `smelt data
+prepare` applies too. Exact duplicate documents (same bytes) are kept once, in the first source that
+reads them.
 
-`split` is `train` or `val`. A document goes to validation when the first 8 bytes of the sha256 of its
-text, read as a fraction of 2**64, fall below `val_fraction` (every source keeps at least one document on
-each side when it has two or more), so the split depends only on content, never on order or machine.
-Exact duplicate documents (same bytes) are kept once, in the first source that reads them.
-
-`build_corpus` is idempotent: when the folder holds a corpus of the same recipe whose checksums verify, it
+`build_corpus` is idempotent: when the folder holds a corpus of the same recipe whose digests verify, it
 does nothing. It writes into a temporary folder and renames it into place, so a crash leaves no half corpus.
 """
 
@@ -30,18 +32,19 @@ from pathlib import Path
 
 import numpy as np
 
+from smelt_jax.data import token_store as tsd
+from smelt_jax.data.hf_tokenizer import BytesTokenizer
 from smelt_jax.data.inputs import PINNED_ARCHIVES, Archive, archive_table, fetch_inputs
 from smelt_jax.data.sources import DEFAULT_SOURCES, Roots, SourceSpec, collect_source
 from smelt_jax.data.tokenizer import DEFAULT_TOKENIZER, ByteTokenizer
-from smelt_jax.errors import SmeltError, UnknownName, UsageError
+from smelt_jax.errors import SmeltError, UsageError
 from smelt_jax.paths import checkout_root
 
-CORPUS_VERSION = "smelt-default-v2"
+CORPUS_VERSION = "smelt-default-v3"  # v3: a token store (v2: numpy files)
 # The digest the default recipe must produce (with the per-file hashes that explain a mismatch).
 EXPECTED_FILE = Path(__file__).resolve().parent / "corpus_expected.json"
-MANIFEST_FORMAT = "smelt-corpus/1"
-MANIFEST_NAME = "manifest.json"
-SPLITS = ("train", "val")
+MANIFEST_NAME = tsd.MANIFEST_NAME
+ORIGINS_NAME = "origins.txt"
 
 
 class CorpusError(SmeltError, RuntimeError):
@@ -107,74 +110,47 @@ def sha256_file(path: Path, block: int = 1 << 22) -> str:
     return digest.hexdigest()
 
 
-def _split_fraction(key: bytes) -> float:
-    return int.from_bytes(key[:8], "big") / 2.0**64
+def _source_digest(tokens: np.ndarray, lengths: np.ndarray, mine: np.ndarray) -> str:
+    """Content digest of one source: its documents' tokens and lengths, per split (`mine`: bool [D, 2])."""
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    parts = []
+    for column in range(2):
+        ids = np.flatnonzero(mine[:, column])
+        body = (np.concatenate([tokens[offsets[i]:offsets[i + 1]] for i in ids]) if ids.size
+                else tokens[:0])
+        parts += [tsd.array_digest(body), tsd.array_digest(lengths[ids])]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
-def _assign_splits(documents: list[tuple[str, bytes, bytes]], val_fraction: float) -> list[str]:
-    """'train' or 'val' per document, by its split key; both sides non-empty when >= 2 keys exist."""
-    keys = sorted({key for _, _, key in documents})
-    val_keys = {k for k in keys if _split_fraction(k) < val_fraction}
-    if len(keys) >= 2 and not val_keys:
-        val_keys = {keys[0]}  # smallest hash: still a pure function of content
-    if len(keys) >= 2 and len(val_keys) == len(keys):
-        val_keys.discard(keys[-1])
-    return ["val" if key in val_keys else "train" for _, _, key in documents]
-
-
-def _write_split(folder: Path, source: str, split: str, texts: list[bytes], origins: list[str],
-                 tokenizer: ByteTokenizer) -> dict:
-    lengths = np.array([len(t) + 2 for t in texts], dtype=np.int64)
-    offsets = np.zeros(len(texts) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    tokens = np.empty(int(offsets[-1]), dtype=np.uint16)
-    for text, start in zip(texts, offsets[:-1]):
-        tokens[start:start + len(text) + 2] = tokenizer.encode_document(text)
-    names = {"tokens": f"{source}.{split}.tokens.npy", "offsets": f"{source}.{split}.offsets.npy",
-             "origins": f"{source}.{split}.origins.txt"}
-    np.save(folder / names["tokens"], tokens)
-    np.save(folder / names["offsets"], offsets)
-    (folder / names["origins"]).write_text("".join(o + "\n" for o in origins), encoding="utf-8")
-    return {"documents": len(texts), "tokens": int(tokens.size), "text_bytes": int(sum(map(len, texts))),
-            "files": names}
-
-
-def _all_files(manifest: dict) -> list[str]:
-    return sorted(name for source in manifest["sources"].values()
-                  for split in source["splits"].values() for name in split["files"].values())
-
-
-def _corpus_digest(checksums: dict[str, str]) -> str:
-    text = "\n".join(f"{name} {checksums[name]}" for name in sorted(checksums))
-    return hashlib.sha256(text.encode()).hexdigest()
+def _sources_by_name(manifest: dict) -> dict[str, dict]:
+    return {entry["name"]: entry for entry in manifest["sources"]}
 
 
 def read_manifest(folder: Path | str) -> dict:
-    path = Path(folder) / MANIFEST_NAME
-    if not path.is_file():
-        raise CorpusError(f"no corpus at {folder} (missing {MANIFEST_NAME}); run `smelt data build`")
+    """The manifest of the corpus at `folder` (a token store built by `build_corpus`), else CorpusError."""
     try:
-        manifest = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise CorpusError(f"{path} is not valid JSON: {err}") from err
-    if manifest.get("format") != MANIFEST_FORMAT:
-        raise CorpusError(f"{path}: format {manifest.get('format')!r}, expected {MANIFEST_FORMAT!r}")
+        manifest = tsd.read_manifest(folder)
+    except tsd.StoreError as err:
+        raise CorpusError(f"{err}. The embedded corpus is built with `smelt data build` (--force replaces "
+                          "a corpus of an older format)") from err
+    if "recipe_digest" not in manifest:
+        raise CorpusError(f"{folder} holds a prepared token store, not the embedded corpus")
     return manifest
 
 
 def verify_corpus(folder: Path | str) -> dict:
-    """Recompute every file's sha256 against the manifest; return the manifest or raise CorpusError."""
+    """Recompute every array digest and the origins' sha256 against the manifest; return the manifest or
+    raise CorpusError."""
     folder = Path(folder)
     manifest = read_manifest(folder)
-    problems = []
-    for name in _all_files(manifest):
-        path = folder / name
-        if not path.is_file():
-            problems.append(f"{name}: missing")
-        elif sha256_file(path) != manifest["checksums"].get(name):
-            problems.append(f"{name}: sha256 mismatch")
-    if problems:
-        raise CorpusError(f"corpus at {folder} fails verification: " + "; ".join(problems))
+    try:
+        tsd.verify_store(folder)
+    except tsd.StoreError as err:
+        raise CorpusError(str(err)) from err
+    origins = folder / ORIGINS_NAME
+    if not origins.is_file() or sha256_file(origins) != manifest["origins_sha256"]:
+        raise CorpusError(f"corpus at {folder} fails verification: {ORIGINS_NAME} "
+                          + ("missing" if not origins.is_file() else "sha256 mismatch"))
     return manifest
 
 
@@ -185,17 +161,12 @@ class BuildResult:
     built: bool  # False when an existing, verified corpus of the same recipe was kept
 
 
-def _source_digest(checksums: dict[str, str], source: str) -> str:
-    return _corpus_digest({k: v for k, v in checksums.items() if k.startswith(f"{source}.")})
-
-
 def expected_record(manifest: dict) -> dict:
-    """What `EXPECTED_FILE` holds: the digests and, per source, the hash of every file it used."""
+    """What `EXPECTED_FILE` holds: the digests and, per source, the hash of every input file it used."""
     return {"corpus_version": manifest["corpus_version"], "recipe_digest": manifest["recipe_digest"],
-            "corpus_digest": manifest["corpus_digest"],
-            "sources": {name: {"digest": _source_digest(manifest["checksums"], name),
-                               "files": meta["files"]}
-                        for name, meta in sorted(manifest["sources"].items())}}
+            "store_digest": manifest["store_digest"],
+            "sources": {name: {"digest": meta["digest"], "files": meta["files"]}
+                        for name, meta in sorted(_sources_by_name(manifest).items())}}
 
 
 def digest_difference(expected: dict, manifest: dict, limit: int = 8) -> list[str]:
@@ -227,12 +198,12 @@ def check_expected(manifest: dict, expected_path: Path | None = None) -> None:
     expected = json.loads(expected_path.read_text())
     if expected["recipe_digest"] != manifest["recipe_digest"]:
         return  # another recipe (a test's, an experiment's): nothing committed to compare with
-    if expected["corpus_digest"] == manifest["corpus_digest"]:
+    if expected["store_digest"] == manifest["store_digest"]:
         return
     detail = "\n  ".join(digest_difference(expected, manifest))
     raise DigestMismatch(
-        f"the corpus built here (digest {manifest['corpus_digest'][:16]}) is not the committed one "
-        f"({expected['corpus_digest'][:16]}, {expected_path.name}):\n  {detail}\n"
+        f"the corpus built here (digest {manifest['store_digest'][:16]}) is not the committed one "
+        f"({expected['store_digest'][:16]}, {expected_path.name}):\n  {detail}\n"
         "Runs trained on it are not comparable with the committed results. Pass --accept-digest to "
         "use it anyway.")
 
@@ -252,11 +223,44 @@ def _resolve_roots(config: BuildConfig, progress: bool) -> Roots:
     return Roots.of(fetch_inputs(default_data_dir(), config.inputs, log=log))
 
 
+def _write_store(folder: Path, config: BuildConfig, documents: list[tuple[str, str, bytes, bytes]],
+                 sources_meta: dict[str, dict]) -> dict:
+    """Write `documents` ((source, origin, text, split key) in store order) as a token store into
+    `folder`; returns the manifest's store fields (arrays, sources, totals, tokenizer, split rule)."""
+    tokenizer = BytesTokenizer(config.tokenizer)
+    names = sorted(sources_meta)
+    codes = np.array([names.index(d[0]) for d in documents], dtype=np.int32)
+    keys = np.array([int.from_bytes(d[3][:8], "big") for d in documents], dtype=np.uint64)
+    val = tsd.split_assignment(keys, codes, len(names), config.val_fraction)
+    lengths = np.array([len(d[2]) + 2 for d in documents], dtype=np.int64)
+    tokens = np.empty(int(lengths.sum()), dtype=tokenizer.token_dtype)
+    start = 0
+    for (_, _, text, _), length in zip(documents, lengths):
+        tokens[start:start + length] = tokenizer.encode_document(text)
+        start += length
+    store = tsd.create_array(folder, "tokens", tokens.dtype, [tokens.size], layout="chunks")
+    store.write(tokens).result()
+    arrays = {"tokens": {"dtype": tokens.dtype.str, "shape": [int(tokens.size)],
+                         "sha256": tsd.array_digest(tokens)}}
+    duplicates = {k: sources_meta[name].pop("duplicates_dropped") for k, name in enumerate(names)}
+    index, sources = tsd.write_index(folder, lengths, codes, val, names, duplicates)
+    for k, entry in enumerate(sources):
+        mine = np.stack([(codes == k) & ~val, (codes == k) & val], axis=1)
+        entry.update(sources_meta[entry["name"]], digest=_source_digest(tokens, lengths, mine))
+    return {"format": tsd.STORE_FORMAT, "tokenizer": tokenizer.to_dict(),
+            "split_rule": {"val_fraction": config.val_fraction, "key": tsd.SPLIT_RULE_KEY,
+                           "dedup": True, "unit": "text (its chunks share a key)"},
+            "arrays": {**arrays, **index}, "sources": sources,
+            "totals": {"documents": int(lengths.size), "tokens": int(tokens.size),
+                       **tsd.split_totals(sources),
+                       "duplicates_dropped": int(sum(duplicates.values()))}}
+
+
 def build_corpus(folder: Path | str | None = None, config: BuildConfig | None = None, *,
                  force: bool = False, progress: bool = True, accept_digest: bool = False) -> BuildResult:
     """Build the corpus into `folder` (default `default_corpus_dir()`), or verify and keep one already there.
 
-    An existing corpus with another recipe, or one that fails its checksums, is an error unless `force`.
+    An existing corpus with another recipe, or one that fails its digests, is an error unless `force`.
     The default recipe's result must equal the committed digest (`EXPECTED_FILE`), unless `accept_digest`.
     """
     config = config or BuildConfig()
@@ -279,7 +283,7 @@ def build_corpus(folder: Path | str | None = None, config: BuildConfig | None = 
     folder.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.building-", dir=folder.parent))
     try:
-        sources_meta, seen = {}, set()
+        sources_meta, documents, seen = {}, [], set()
         total = sum(spec.max_bytes for spec in config.sources)
         with tqdm(total=total, unit="B", unit_scale=True, desc="smelt data build",
                   disable=not progress, file=sys.stderr) as bar:
@@ -288,52 +292,41 @@ def build_corpus(folder: Path | str | None = None, config: BuildConfig | None = 
                 collected = collect_source(spec, roots, config.max_document_bytes,
                                            progress=bar.update)
                 bar.update(max(0, spec.max_bytes - collected.total_bytes))  # source done
-                unique, duplicates = [], 0
+                duplicates, kept = 0, 0
                 for origin, text, key in collected.documents:
                     digest = hashlib.sha256(text).digest()
                     if digest in seen:
                         duplicates += 1
                         continue
                     seen.add(digest)
-                    unique.append((origin, text, key))
-                if not unique:
+                    documents.append((spec.name, origin, text, key))
+                    kept += 1
+                if not kept:
                     raise CorpusError(f"source {spec.name!r} found no readable text under "
                                       f"{[p['path'] for p in collected.provenance]}")
-                assignment = _assign_splits(unique, config.val_fraction)
-                splits = {}
-                for split in SPLITS:
-                    chosen = [(o, t) for (o, t, _), s in zip(unique, assignment) if s == split]
-                    splits[split] = _write_split(staging, spec.name, split, [t for _, t in chosen],
-                                                 [o for o, _ in chosen], config.tokenizer)
                 sources_meta[spec.name] = {"kind": spec.kind, "description": spec.description,
                                            "max_bytes": spec.max_bytes, "provenance": collected.provenance,
-                                           "duplicates_dropped": duplicates, "splits": splits,
+                                           "duplicates_dropped": duplicates,
+                                           "text_bytes": sum(len(d[2]) for d in documents[-kept:]),
                                            "files": collected.files}
-        manifest = {"format": MANIFEST_FORMAT, "corpus_version": config.corpus_version,
-                    "recipe_digest": recipe, "tokenizer": config.tokenizer.to_dict(),
-                    "inputs": (archive_table(config.inputs) if config.roots is None
-                               else dict(roots.paths)),
-                    "build": {"val_fraction": config.val_fraction,
-                              "max_document_bytes": config.max_document_bytes,
-                              "python": sys.version.split()[0], "numpy": np.__version__,
-                              "seconds": round(time.time() - started, 2),
-                              "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
-                    "sources": sources_meta}
-        checksums = {name: sha256_file(staging / name) for name in _all_files(manifest)}
-        manifest["checksums"] = checksums
-        manifest["corpus_digest"] = _corpus_digest(checksums)
-        manifest["totals"] = {split: {"documents": sum(s["splits"][split]["documents"]
-                                                       for s in sources_meta.values()),
-                                      "tokens": sum(s["splits"][split]["tokens"]
-                                                    for s in sources_meta.values())}
-                              for split in SPLITS}
+        manifest = _write_store(staging, config, documents, sources_meta)
+        (staging / ORIGINS_NAME).write_text("".join(d[1] + "\n" for d in documents), encoding="utf-8")
+        manifest.update({
+            "corpus_version": config.corpus_version, "recipe_digest": recipe,
+            "origins_sha256": sha256_file(staging / ORIGINS_NAME),
+            "inputs": archive_table(config.inputs) if config.roots is None else dict(roots.paths),
+            "build": {"val_fraction": config.val_fraction, "max_document_bytes": config.max_document_bytes,
+                      "python": sys.version.split()[0], "numpy": np.__version__,
+                      "seconds": round(time.time() - started, 2),
+                      "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}})
+        manifest["store_digest"] = tsd.store_digest(manifest)
         try:
             check_expected(manifest)
         except DigestMismatch as err:
             if not accept_digest:
                 raise
             manifest["digest_accepted"] = str(err)
-        (staging / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+        tsd.commit_manifest(staging, manifest)
         os.chmod(staging, 0o755)
         if folder.exists():
             trash = Path(tempfile.mkdtemp(prefix=f".{folder.name}.old-", dir=folder.parent))
@@ -348,76 +341,10 @@ def build_corpus(folder: Path | str | None = None, config: BuildConfig | None = 
     return BuildResult(folder, manifest, built=True)
 
 
-@dataclasses.dataclass(frozen=True)
-class SplitArrays:
-    """One (source, split): the token memmap uint16 [tokens] and document offsets int64 [documents + 1]."""
-
-    tokens: np.ndarray
-    offsets: np.ndarray
-
-    @property
-    def num_documents(self) -> int:
-        return int(self.offsets.size - 1)
-
-    def document(self, index: int) -> np.ndarray:
-        return self.tokens[self.offsets[index]:self.offsets[index + 1]]
-
-
-class Corpus:
-    """A built corpus opened read-only: memory-mapped token shards and the manifest.
-
-    Opening checks the format, the tokenizer version and the file sizes (cheap); `verify=True` also
-    recomputes every sha256.
-    """
-
-    def __init__(self, folder: Path | str, *, verify: bool = False,
-                 tokenizer: ByteTokenizer = DEFAULT_TOKENIZER) -> None:
-        self.folder = Path(folder)
-        self.manifest = verify_corpus(self.folder) if verify else read_manifest(self.folder)
-        if self.manifest["tokenizer"] != tokenizer.to_dict():
-            raise CorpusError(f"corpus at {folder} was built with tokenizer {self.manifest['tokenizer']}, "
-                              f"this code uses {tokenizer.to_dict()}; rebuild it (smelt data build --force)")
-        self.tokenizer = tokenizer
-        self._arrays: dict[tuple[str, str], SplitArrays] = {}
-        for source, meta in self.manifest["sources"].items():
-            for split in SPLITS:
-                files = meta["splits"][split]["files"]
-                try:
-                    tokens = np.load(self.folder / files["tokens"], mmap_mode="r")
-                    offsets = np.load(self.folder / files["offsets"], mmap_mode="r")
-                except (OSError, ValueError) as err:
-                    raise CorpusError(f"cannot read {source}.{split} in {folder}: {err}") from err
-                if (tokens.dtype != np.uint16 or offsets.dtype != np.int64
-                        or tokens.size != meta["splits"][split]["tokens"]
-                        or offsets.size != meta["splits"][split]["documents"] + 1
-                        or (offsets.size and int(offsets[-1]) != tokens.size)):
-                    raise CorpusError(f"{source}.{split} in {folder} does not match its manifest entry")
-                self._arrays[(source, split)] = SplitArrays(tokens, offsets)
-
-    @property
-    def sources(self) -> tuple[str, ...]:
-        """Source names, sorted."""
-        return tuple(sorted(self.manifest["sources"]))
-
-    @property
-    def digest(self) -> str:
-        return self.manifest["corpus_digest"]
-
-    def split(self, source: str, split: str) -> SplitArrays:
-        if (source, split) not in self._arrays:
-            raise UnknownName(f"no split {source}.{split}; sources are {list(self.sources)}, splits {SPLITS}")
-        return self._arrays[(source, split)]
-
-    def num_tokens(self, split: str) -> int:
-        return sum(self.split(s, split).tokens.size for s in self.sources)
-
-    def summary(self) -> list[dict]:
-        """One row per source: kind, documents and tokens per split."""
-        rows = []
-        for source, meta in self.manifest["sources"].items():
-            row = {"source": source, "kind": meta["kind"]}
-            for split in SPLITS:
-                row[f"{split}_documents"] = meta["splits"][split]["documents"]
-                row[f"{split}_tokens"] = meta["splits"][split]["tokens"]
-            rows.append(row)
-        return rows
+def open_dataset(path=None, *, progress: bool = False, **kwargs) -> tsd.TokenStore:
+    """The token store at `path` (a prepared store, local or gs://, or an embedded corpus folder); with
+    no path, the embedded default corpus (fetched and built on first use, verified after). The one way
+    the trainer, evaluation and the analyses find their data."""
+    if path is None:
+        path = build_corpus(progress=progress).folder
+    return tsd.TokenStore(path, **kwargs)

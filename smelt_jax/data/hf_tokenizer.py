@@ -147,6 +147,9 @@ class BytesTokenizer:
         self.token_dtype = np.dtype(np.uint16)
         self.source = "bytes"
 
+    def encode(self, text: str) -> np.ndarray:
+        return self.base.encode(text)
+
     def encode_documents(self, texts: list[str]) -> list[np.ndarray]:
         return [self.base.encode_document(t) for t in texts]
 

@@ -26,10 +26,11 @@ document (whose next token is another document's BOS) and padding are masked.
 **Validation** (per source): the source's validation documents in stored order, packed the same way
 without shuffling, the last row padded; every target token of the split is scored exactly once.
 
-**Sources of documents.** Anything with `sources` (names), `tokenizer` (with `pad_id`) and
-`split(source, split)` -> `SplitArrays(tokens, offsets)`: the embedded `Corpus` (memory-mapped numpy) or
-a prepared `TokenStore` (smelt_jax/data/token_store.py, tensorstore zarr3 on local disk or gs://, whose
-`tokens` view reads only the positions a batch indexes). `token_store.open_dataset(path)` opens either.
+**Sources of documents.** A `TokenStore` (smelt_jax/data/token_store.py: tensorstore zarr3 on local disk
+or gs://, whose `tokens` view reads only the positions a batch indexes): a store made by `smelt data
+prepare`, or the embedded corpus (`smelt data build` writes it as a token store). Anything else with
+`sources`, `tokenizer` (with `pad_id`) and `split(source, split)` -> `SplitArrays(tokens, offsets)` works
+too (the tests use in-memory arrays as the reference). `corpus.open_dataset(path)` opens a store, by default the embedded corpus.
 """
 
 from __future__ import annotations
@@ -43,10 +44,9 @@ import numpy as np
 from smelt_jax.errors import UsageError
 
 if TYPE_CHECKING:
-    from smelt_jax.data.corpus import Corpus
     from smelt_jax.data.token_store import TokenStore
 
-    Documents = Corpus | TokenStore
+    Documents = TokenStore
 
 _MASK64 = (1 << 64) - 1
 

@@ -310,20 +310,6 @@ def _assemble_task(args: tuple) -> dict[int, str]:
     return digests
 
 
-def _split_assignment(keys0: np.ndarray, codes: np.ndarray, n_sources: int, val_fraction: float) -> np.ndarray:
-    """bool [docs]: validation? By content hash; each source with >= 2 documents keeps both sides."""
-    val = keys0.astype(np.float64) / 2.0**64 < val_fraction
-    for k in range(n_sources):
-        mine = np.flatnonzero(codes == k)
-        if mine.size < 2:
-            continue
-        if not val[mine].any():
-            val[mine[np.argmin(keys0[mine])]] = True
-        if val[mine].all():
-            val[mine[np.argmax(keys0[mine])]] = False
-    return val
-
-
 @dataclasses.dataclass
 class PrepareResult:
     root: str
@@ -452,7 +438,7 @@ def prepare(inputs: list[str], out, tokenizer, config: PrepareConfig | None = No
     lengths, keys, codes, doc_part, doc_src = (x[keep] for x in (lengths, keys, codes, doc_part, doc_src))
     if lengths.size == 0:
         raise PrepareError("the inputs hold no usable documents")
-    val = _split_assignment(keys[:, 0], codes, len(names), config.val_fraction)
+    val = tsd.split_assignment(keys[:, 0], codes, len(names), config.val_fraction)
     offsets = np.zeros(lengths.size + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
     total = int(offsets[-1])
@@ -477,16 +463,8 @@ def prepare(inputs: list[str], out, tokenizer, config: PrepareConfig | None = No
                 digests.update(part)
     arrays = {"tokens": {"dtype": dtype.str, "shape": [total],
                          "sha256": tsd.combine_digests(dtype, [total], [digests[i] for i in range(n_shards)])}}
-    arrays["doc_offsets"] = tsd.write_array(root, "doc_offsets", offsets)
-    arrays["doc_source"] = tsd.write_array(root, "doc_source", codes.astype(np.int32))
-    sources = []
-    for k, name in enumerate(names):
-        entry = {"name": name, "index": k, "duplicates_dropped": int(duplicates.get(k, 0)), "splits": {}}
-        for split, mask in (("train", ~val), ("val", val)):
-            ids = np.flatnonzero((codes == k) & mask).astype(np.int64)
-            arrays[f"by_source/{k:04d}/{split}"] = tsd.write_array(root, f"by_source/{k:04d}/{split}", ids)
-            entry["splits"][split] = {"documents": int(ids.size), "tokens": int(lengths[ids].sum())}
-        sources.append(entry)
+    index, sources = tsd.write_index(root, lengths, codes, val, names, duplicates)
+    arrays.update(index)
     if getattr(tokenizer, "kind", "") != "bytes":
         gcs.write_text(gcs.join(root, tsd.TOKENIZER_NAME), tokenizer.json)
     problems = Counter()
@@ -495,13 +473,10 @@ def prepare(inputs: list[str], out, tokenizer, config: PrepareConfig | None = No
     seconds = time.time() - started
     manifest = {
         "format": tsd.STORE_FORMAT, "tokenizer": tokenizer.to_dict(), "config": dataclasses.asdict(config),
-        "split_rule": {"val_fraction": config.val_fraction, "key": "sha256(text)[:8]/2**64",
+        "split_rule": {"val_fraction": config.val_fraction, "key": tsd.SPLIT_RULE_KEY,
                        "dedup": config.dedup},
         "sources": sources, "arrays": arrays,
-        "totals": {"documents": int(lengths.size), "tokens": total,
-                   **{split: {"documents": sum(s["splits"][split]["documents"] for s in sources),
-                              "tokens": sum(s["splits"][split]["tokens"] for s in sources)}
-                      for split in ("train", "val")},
+        "totals": {"documents": int(lengths.size), "tokens": total, **tsd.split_totals(sources),
                    "duplicates_dropped": int((~keep).sum())},
         "inputs": [{"input": u, "status": summaries[u]["status"], "counts": summaries[u].get("counts"),
                     "problems": summaries[u].get("problems", {}), "examples": summaries[u].get("examples", [])}
@@ -513,8 +488,7 @@ def prepare(inputs: list[str], out, tokenizer, config: PrepareConfig | None = No
                     "tokens_per_second": round(new_tokens / max(tokenize_seconds, 1e-9)),
                     "prepared_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
     }
-    manifest["store_digest"] = tsd.store_digest(manifest)
-    gcs.write_text(manifest_url, json.dumps(manifest, indent=1, sort_keys=True) + "\n")  # commit
+    tsd.commit_manifest(root, manifest)
     if clean_parts:
         gcs.delete_tree(gcs.join(root, tsd.PARTS_DIR))
     say(f"token store at {root}: {total:,} tokens in {lengths.size:,} documents, {len(names)} source(s); "

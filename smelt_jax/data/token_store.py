@@ -18,14 +18,19 @@ little-endian bytes, hashed together with the dtype and shape. It depends on the
 compression, chunking on disk or the number of processes that wrote it. The `store_digest` hashes the
 format, the tokenizer's sha256, the split rule, the source table and every array digest.
 
-`TokenStore` opens a store read-only and serves the interface the pipeline uses for the embedded corpus:
-`sources`, `tokenizer` (with `pad_id`), `digest`, and `split(source, split)` -> `SplitArrays(tokens,
-offsets)` where `tokens` is a view that reads only the positions it is indexed with (tensorstore reads of
-the covering ranges, batched), so each host reads only its own rows.
+Two writers produce stores: `smelt data prepare` (smelt_jax/data/prepare.py: text shards, any
+tokenizer, many processes) and `smelt data build` (smelt_jax/data/corpus.py: the embedded byte-level
+corpus). Both write the index arrays and the manifest through `write_index` and `commit_manifest`.
+
+`TokenStore` opens a store read-only and is the one reader of training data: `sources`, `tokenizer`
+(with `pad_id`), `digest`, and `split(source, split)` -> `SplitArrays(tokens, offsets)` where `tokens`
+is a view that reads only the positions it is indexed with (tensorstore reads of the covering ranges,
+batched), so each host reads only its own rows.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from collections.abc import Iterable
@@ -33,7 +38,6 @@ from collections.abc import Iterable
 import numpy as np
 
 from smelt_jax.data import gcs
-from smelt_jax.data.corpus import SPLITS, SplitArrays
 from smelt_jax.errors import SmeltError, UnknownName
 
 STORE_FORMAT = "smelt-token-store/1"
@@ -46,10 +50,27 @@ TOKENS_SHARD = DIGEST_BLOCK
 TOKENS_CHUNK = 1 << 16
 SMALL_CHUNK = 1 << 20
 READ_GAP = 1 << 14  # index runs closer than this are read as one range
+SPLITS = ("train", "val")
 
 
 class StoreError(SmeltError, ValueError):
     """A token store that is missing, incomplete, of another tokenizer, or fails its digests."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitArrays:
+    """One (source, split): tokens [tokens] (a `SplitTokens` view, or any array) and document offsets
+    int64 [documents + 1]: document d is tokens[offsets[d]:offsets[d + 1]]."""
+
+    tokens: np.ndarray
+    offsets: np.ndarray
+
+    @property
+    def num_documents(self) -> int:
+        return int(self.offsets.size - 1)
+
+    def document(self, index: int) -> np.ndarray:
+        return self.tokens[self.offsets[index]:self.offsets[index + 1]]
 
 
 # Digests --------------------------------------------------------------------------------------------
@@ -168,6 +189,62 @@ def verify_array(root, name: str, entry: dict) -> str | None:
     return None
 
 
+def write_index(root, lengths: np.ndarray, codes: np.ndarray, val: np.ndarray, names: list[str],
+                duplicates: dict[int, int]) -> tuple[dict, list[dict]]:
+    """The index arrays of a store whose documents (in token-array order) have `lengths` int64 [D],
+    source `codes` int32 [D] (into the sorted `names`) and validation flags `val` bool [D].
+
+    Writes doc_offsets, doc_source and by_source/<k>/<split>; returns (their manifest entries, the
+    manifest's `sources` table)."""
+    offsets = np.zeros(lengths.size + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    arrays = {"doc_offsets": write_array(root, "doc_offsets", offsets),
+              "doc_source": write_array(root, "doc_source", codes.astype(np.int32))}
+    sources = []
+    for k, name in enumerate(names):
+        entry = {"name": name, "index": k, "duplicates_dropped": int(duplicates.get(k, 0)), "splits": {}}
+        for split, mask in (("train", ~val), ("val", val)):
+            ids = np.flatnonzero((codes == k) & mask).astype(np.int64)
+            arrays[f"by_source/{k:04d}/{split}"] = write_array(root, f"by_source/{k:04d}/{split}", ids)
+            entry["splits"][split] = {"documents": int(ids.size), "tokens": int(lengths[ids].sum())}
+        sources.append(entry)
+    return arrays, sources
+
+
+def split_assignment(keys: np.ndarray, codes: np.ndarray, n_sources: int, val_fraction: float) -> np.ndarray:
+    """bool [D]: is document d in validation? `keys` uint64 [D] are the first 8 bytes (big-endian) of
+    the sha256 of each document's text (chunks of one text share a key, so a text never straddles the
+    split), `codes` int [D] their sources. A document goes to validation when key / 2**64 < val_fraction;
+    a source with two or more distinct keys keeps both sides (its smallest key moves to validation, or
+    its largest to training). The rule of every store: `smelt data prepare` and the embedded corpus."""
+    val = keys.astype(np.float64) / 2.0**64 < val_fraction
+    for k in range(n_sources):
+        mine = np.flatnonzero(codes == k)
+        own = keys[mine]
+        if np.unique(own).size < 2:
+            continue
+        if not val[mine].any():
+            val[mine[own == own.min()]] = True
+        if val[mine].all():
+            val[mine[own == own.max()]] = False
+    return val
+
+
+SPLIT_RULE_KEY = "sha256(text)[:8]/2**64"
+
+
+def split_totals(sources: list[dict]) -> dict:
+    return {split: {"documents": sum(s["splits"][split]["documents"] for s in sources),
+                    "tokens": sum(s["splits"][split]["tokens"] for s in sources)} for split in SPLITS}
+
+
+def commit_manifest(root, manifest: dict) -> dict:
+    """Add the store digest and write manifest.json, last: the store is complete from this write on."""
+    manifest["store_digest"] = store_digest(manifest)
+    gcs.write_text(gcs.join(root, MANIFEST_NAME), json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+    return manifest
+
+
 # Manifest -------------------------------------------------------------------------------------------
 def read_manifest(root) -> dict:
     url = gcs.join(root, MANIFEST_NAME)
@@ -246,7 +323,7 @@ class TokenArray:
 
 
 class SplitTokens:
-    """One (source, split)'s documents seen as one flat array (what `SplitArrays.tokens` is for a corpus).
+    """One (source, split)'s documents seen as one flat array (`SplitArrays.tokens` of a store).
 
     Position i of the view is token i of the concatenation of the split's documents; indexing with an
     int array or a slice reads only those tokens from the store.
@@ -335,13 +412,21 @@ class TokenStore:
     def document(self, doc_id: int) -> np.ndarray:
         return self.tokens.read(int(self.doc_offsets[doc_id]), int(self.doc_offsets[doc_id + 1]))
 
+    def in_memory(self) -> InMemoryDocuments:
+        """Every split read whole into numpy arrays, behind the same interface (the tests' and
+        benchmarks' reference for the reading views; a store must fit in memory)."""
+        return InMemoryDocuments(self.sources, self.tokenizer,
+                                 {(s, split): SplitArrays(np.asarray(self.split(s, split).tokens),
+                                                          self.split(s, split).offsets)
+                                  for s in self.sources for split in SPLITS})
+
     def num_tokens(self, split: str) -> int:
         return sum(s["splits"][split]["tokens"] for s in self.manifest["sources"])
 
     def summary(self) -> list[dict]:
         rows = []
         for meta in self.manifest["sources"]:
-            row = {"source": meta["name"], "kind": "text"}
+            row = {"source": meta["name"], "kind": meta.get("kind", "text")}
             for split in SPLITS:
                 row[f"{split}_documents"] = meta["splits"][split]["documents"]
                 row[f"{split}_tokens"] = meta["splits"][split]["tokens"]
@@ -349,16 +434,13 @@ class TokenStore:
         return rows
 
 
-def open_dataset(path=None, *, progress: bool = False, **kwargs):
-    """A token store when `path` holds one, else the embedded corpus folder (`Corpus`) at `path`; with
-    no path, the embedded default corpus (fetched and built on first use). The one way the trainer,
-    evaluation and the analyses find their data."""
-    if path is None:
-        from smelt_jax.data.corpus import Corpus, build_corpus
+@dataclasses.dataclass(frozen=True)
+class InMemoryDocuments:
+    """`TokenStore.in_memory()`: sources, tokenizer and `split(source, split)` from numpy arrays."""
 
-        return Corpus(build_corpus(progress=progress).folder)
-    if is_token_store(path):
-        return TokenStore(path, **kwargs)
-    from smelt_jax.data.corpus import Corpus
+    sources: tuple[str, ...]
+    tokenizer: object
+    splits: dict
 
-    return Corpus(path)
+    def split(self, source: str, split: str) -> SplitArrays:
+        return self.splits[(source, split)]

@@ -136,7 +136,7 @@ def enable_compilation_cache() -> None:
 
 
 def _load_corpus():
-    from smelt_jax.data.token_store import open_dataset
+    from smelt_jax.data.corpus import open_dataset
     return open_dataset(None, progress=sys.stderr.isatty())
 
 
