@@ -24,7 +24,7 @@ def _run(variant: str, model: ModelConfig, reference: ModelConfig, control: Mode
     arch = "looped" if model.is_looped else "baseline"
     return RunSpec(suite=SUITE, scale=SCALE, sparsity_label=LABEL, arch=arch, model=model,
                    schedule=smelt16.schedule(SCALE), control=control,
-                   pair_id=f"{SUITE}-{sweep}", variant=variant)
+                   pair_id=f"{SUITE}-{sweep}", variant=variant, tokenizer=smelt16.TOKENIZER)
 
 
 def _matched(reference: ModelConfig, **shape) -> ModelConfig:

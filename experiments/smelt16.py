@@ -16,6 +16,10 @@ from smelt_jax.parallel.layout import layout_key
 
 SUITE = "smelt16"
 VOCAB = 65_536  # not published; a 64k BPE vocabulary (embeddings are outside every budget)
+# The paper publishes neither its tokenizer nor its data. Runs train on a token store prepared with a
+# Hugging Face tokenizer.json of exactly VOCAB ids (a byte-level BPE: `smelt data tokenizer train
+# --vocab-size 65536`); `RunSpec.check_data` refuses any other data, the embedded byte corpus included.
+TOKENIZER = "hf"
 SEQ_LEN = 4096
 
 # scale -> (d_model, n_layers, n_heads, head_dim, n_kv_heads, expert_ffn): docs/budget.md.
@@ -78,6 +82,6 @@ def build() -> list[RunSpec]:
                 runs.append(RunSpec(suite=SUITE, scale=scale, sparsity_label=label, arch=arch,
                                     model=models[arch], schedule=schedule(scale),
                                     control=controls[arch], pair_id=f"{SUITE}-{scale}-{label}",
-                                    parallelism=layouts.get(layout_key(scale, label, arch),
+                                    tokenizer=TOKENIZER, parallelism=layouts.get(layout_key(scale, label, arch),
                                                             Parallelism())))
     return runs

@@ -14,8 +14,17 @@ from typing import Any
 
 from smelt_jax import budget as budget_lib
 from smelt_jax.config import ConfigError, ModelConfig, Schedule, content_hash
+from smelt_jax.errors import UsageError
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9.]*$")
+# What a run's data must be tokenized with (`RunSpec.tokenizer`): "" any tokenizer whose ids fit the
+# model's vocabulary; "bytes" the embedded byte-level tokenizer; "hf" a Hugging Face tokenizer.json
+# (e.g. a byte-level BPE from `smelt data tokenizer train`) of exactly `model.vocab` ids.
+TOKENIZER_KINDS = ("", "bytes", "hf")
+
+
+class DataMismatch(UsageError):
+    """The training data was prepared with a tokenizer the run does not expect."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,12 +54,35 @@ class RunSpec:
     pair_id: str
     variant: str = ""  # ablation coordinate, e.g. "span4", "r3", "l15"
     parallelism: Parallelism = Parallelism()
+    # The tokenizer its data must come from (TOKENIZER_KINDS). Not part of the id, like the data itself:
+    # the id covers the vocabulary (model.vocab), and `check_data` refuses data of another tokenizer.
+    tokenizer: str = ""
 
     def __post_init__(self) -> None:
         for name in ("suite", "scale", "sparsity_label", "arch"):
             if not _NAME.match(getattr(self, name)):
                 raise ConfigError(f"RunSpec.{name} {getattr(self, name)!r} must be lower-case "
                                   "letters, digits and dots")
+        if self.tokenizer not in TOKENIZER_KINDS:
+            raise ConfigError(f"RunSpec.tokenizer {self.tokenizer!r} not in {TOKENIZER_KINDS}")
+
+    def check_data(self, tokenizer, where: str = "the training data") -> None:
+        """Raise DataMismatch unless `tokenizer` (of the data this run would read: `.kind`, `.vocab_size`,
+        `.sha256`) is one the run can train on: ids below model.vocab, and the kind and exact vocabulary
+        this run's suite states (`tokenizer`)."""
+        vocab, kind = self.model.vocab, getattr(tokenizer, "kind", "?")
+        got = (f"{where} was prepared with a {kind} tokenizer of {tokenizer.vocab_size:,} ids "
+               f"(sha256 {str(getattr(tokenizer, 'sha256', '?'))[:16]})")
+        if tokenizer.vocab_size > vocab:
+            raise DataMismatch(f"{got}, more than run {self.id}'s vocabulary of {vocab:,}; use a model "
+                               "of that vocabulary (--override vocab=N) or other data")
+        if self.tokenizer and (kind != self.tokenizer or tokenizer.vocab_size != vocab):
+            how = ("the embedded corpus (no --data-dir)" if self.tokenizer == "bytes" else
+                   f"a token store prepared with a {vocab:,}-id tokenizer.json (`smelt data tokenizer "
+                   f"train --vocab-size {vocab}`, then `smelt data prepare --tokenizer`; "
+                   "docs/tpu-quickstart.md)")
+            raise DataMismatch(f"{got}; run {self.id} ({self.suite}) expects a {self.tokenizer} tokenizer "
+                               f"of exactly {vocab:,} ids: train it on {how}")
 
     @property
     def content_hash(self) -> str:
@@ -79,5 +111,5 @@ class RunSpec:
                        "params_embedding": b.params_embedding, "kv_per_token": b.kv_per_token,
                        "sparsity": b.sparsity},
             "schedule": self.schedule.to_dict(), "control": self.control.to_dict(),
-            "parallelism": self.parallelism.to_dict(),
+            "parallelism": self.parallelism.to_dict(), "tokenizer": self.tokenizer,
         }

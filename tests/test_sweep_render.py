@@ -29,7 +29,8 @@ from smelt_jax.sweep.xpk import (
 GOLDEN = Path(__file__).parent / "golden" / "sweep"
 SETTINGS = CloudSettings(image="us-docker.pkg.dev/smelt-proj/smelt/smelt-jax:golden",
                          bucket="gs://smelt-bucket/smelt", project="smelt-proj", zone="us-east5-a",
-                         cluster="smelt-v5p", max_restarts=20, out_dir=Path("out"))
+                         cluster="smelt-v5p", max_restarts=20, out_dir=Path("out"),
+                         data_dir="gs://smelt-bucket/smelt/data/smelt16")
 
 
 def golden_jobs():
@@ -85,6 +86,7 @@ def test_manifest_semantics():
     pod = job_spec["template"]["spec"]
     container = pod["containers"][0]
     assert container["command"] == ["python", "-m", "smelt_jax", "train", branch.run.id, "--branch", "5",
+                                    "--data-dir", SETTINGS.data_dir,
                                     "--layout", "data=4,fsdp=8,expert=8,tensor=1", "--remat", "full"]
     assert {"name": "SMELT_RUNS_DIR", "value": "gs://smelt-bucket/smelt/runs"} in container["env"]
     # 1.6b S97 SMELT runs on the slice its compile report chose (experiments/layouts.json): v5p-512

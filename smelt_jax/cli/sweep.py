@@ -27,7 +27,7 @@ def _backend(args, suite: str):
                                           progress=not args.quiet))
     out = Path(args.out) if args.out else Path("sweeps") / suite / args.backend
     overrides = {k: getattr(args, k) for k in ("image", "bucket", "project", "zone", "cluster",
-                                               "max_restarts") if getattr(args, k) is not None}
+                                               "max_restarts", "data_dir") if getattr(args, k) is not None}
     settings = CloudSettings(out_dir=out, root=root, **overrides)
     if args.backend == "xpk":
         from smelt_jax.sweep.xpk import XpkBackend
@@ -126,7 +126,9 @@ _CLOUD_HELP = {
              "REGION-docker.pkg.dev/PROJECT/smelt/smelt-jax:TAG, refused by --submit",
     "bucket": "gs://BUCKET/PATH (runs go to PATH/runs)", "project": "Google Cloud project id",
     "zone": "zone of the TPU slices",
-    "cluster": "xpk: GKE cluster NAME, or TPU_TYPE=NAME,... (one cluster per slice type)"}
+    "cluster": "xpk: GKE cluster NAME, or TPU_TYPE=NAME,... (one cluster per slice type)",
+    "data-dir": "gs:// token store the jobs train on (smelt data prepare); required by --submit for "
+                "suites whose runs expect a tokenizer.json (smelt16, ablations200m)"}
 
 
 def _common(parser, *, backend_required: bool, runs_jobs: bool, submits: bool) -> None:

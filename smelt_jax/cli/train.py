@@ -95,9 +95,6 @@ def cmd_train(args) -> int:
     if args.data_dir:
         from smelt_jax.data.corpus import open_dataset
         corpus = open_dataset(args.data_dir)
-        if corpus.tokenizer.vocab_size > run.model.vocab:
-            raise UsageError(f"--data-dir {args.data_dir}: its tokenizer has {corpus.tokenizer.vocab_size} "
-                             f"ids, the model's vocabulary {run.model.vocab}; use --override vocab=N")
     _quiet_closed_loops()
     try:
         with one_line_warnings():

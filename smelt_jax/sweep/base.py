@@ -80,12 +80,16 @@ class CloudSettings:
     queue: str = "multislice-queue"    # Kueue LocalQueue that xpk clusters create
     out_dir: Path = Path("sweeps")
     root: Path | None = None           # local runs root read for readiness (default: $SMELT_RUNS_DIR)
+    data_dir: str = ""                 # token store the jobs train on (gs://...); "" = the embedded corpus
 
     def __post_init__(self) -> None:
         if not self.bucket.startswith("gs://"):
             raise UsageError(f"--bucket must be a gs:// path, got {self.bucket!r}")
         if self.max_restarts < 0:
             raise UsageError(f"max_restarts must be >= 0, got {self.max_restarts}")
+        if self.data_dir and not self.data_dir.startswith("gs://"):
+            raise UsageError(f"--data-dir must be a gs:// token store the TPU hosts can read, got "
+                             f"{self.data_dir!r}")
 
     @property
     def runs_dir(self) -> str:
@@ -122,9 +126,22 @@ def job_paths(graph: JobGraph, job: Job, settings: CloudSettings) -> dict[str, s
             "results": settings.bucket_path(results_path(graph.suite, root=Path("")))}
 
 
-def trainer_command(job: Job) -> list[str]:
-    """The trainer on a TPU slice, with the layout the run's placement chose pinned by flags."""
-    return ["python", "-m", "smelt_jax", *job.train_args(), *layout_args(job.run)]
+def trainer_command(job: Job, settings: CloudSettings) -> list[str]:
+    """The trainer on a TPU slice: the layout the run's placement chose pinned by flags, and the token
+    store of `settings.data_dir` (none: the embedded corpus)."""
+    data = ["--data-dir", settings.data_dir] if settings.data_dir else []
+    return ["python", "-m", "smelt_jax", *job.train_args(), *data, *layout_args(job.run)]
+
+
+def data_problem(graph: JobGraph, settings: CloudSettings) -> str | None:
+    """Why the graph's jobs cannot be submitted with this data (one line), or None: a run whose suite
+    states a tokenizer.json (smelt16) cannot train on the embedded byte corpus, so it needs --data-dir."""
+    needing = sorted({job.run.suite for job in graph.jobs if job.run.tokenizer == "hf"})
+    if needing and not settings.data_dir:
+        return (f"{', '.join(needing)} runs train on a token store prepared with a "
+                "tokenizer.json: pass --data-dir gs://BUCKET/PATH (smelt data prepare; "
+                "docs/tpu-quickstart.md section 6)")
+    return None
 
 
 def write_plan(planned: list[PlannedJob], out_dir: Path, header: str) -> Path:
@@ -155,10 +172,12 @@ def require_tool(tool: str, hint: str) -> None:
 
 def execute_ready(planned: list[PlannedJob], statuses: dict[str, JobStatus], settings: CloudSettings,
                   tool: str, hint: str,
-                  fields: tuple[str, ...] = ("image", "bucket", "project", "zone")) -> int:
+                  fields: tuple[str, ...] = ("image", "bucket", "project", "zone"),
+                  graph: JobGraph | None = None) -> int:
     """Runs the commands of READY jobs; reports the others. Returns the number of failed submissions.
-    Refuses first (UsageError, one line) while any of `fields` is a placeholder, then a missing tool."""
-    problem = settings.submit_problem(fields)
+    Refuses first (UsageError, one line) while any of `fields` is a placeholder or the `graph`'s runs
+    need data that `settings` does not name, then a missing tool."""
+    problem = settings.submit_problem(fields) or (data_problem(graph, settings) if graph else None)
     if problem:
         raise UsageError(problem)
     require_tool(tool, hint)

@@ -39,7 +39,7 @@ def worker_command(job: Job, settings: CloudSettings) -> str:
     """What every host of the slice runs: the trainer in the image, with the bucket as runs root.
     The image's entrypoint is `smelt` (Dockerfile); the trainer command replaces it."""
     registry = settings.image.split("/", 1)[0]
-    program, *args = trainer_command(job)
+    program, *args = trainer_command(job, settings)
     docker = ["sudo", "docker", "run", "--rm", "--privileged", "--net=host",
               "-e", f"SMELT_RUNS_DIR={settings.runs_dir}", f"--entrypoint={program}", settings.image, *args]
     return (f"{quote(['sudo', 'gcloud', 'auth', 'configure-docker', registry, '--quiet'])} "
@@ -144,7 +144,7 @@ class TpuVmBackend:
             print_commands(planned, script)
             return 0
         return execute_ready(planned, self.status(graph), self.settings, "gcloud",
-                             "install the Google Cloud CLI (cloud.google.com/sdk)")
+                             "install the Google Cloud CLI (cloud.google.com/sdk)", graph=graph)
 
     def status(self, graph: JobGraph) -> dict[str, JobStatus]:
         return cloud_status(graph, self.settings)

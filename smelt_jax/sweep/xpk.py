@@ -51,7 +51,7 @@ def jobset_manifest(graph: JobGraph, job: Job, settings: CloudSettings) -> dict:
         "containers": [{
             "name": CONTAINER,
             "image": settings.image,
-            "command": trainer_command(job),
+            "command": trainer_command(job, settings),
             "env": [{"name": "SMELT_RUNS_DIR", "value": settings.runs_dir},
                     {"name": "PYTHONUNBUFFERED", "value": "1"}],
             "resources": {"limits": {"google.com/tpu": tpu.chips_per_host},
@@ -121,7 +121,7 @@ def xpk_command(graph: JobGraph, job: Job, settings: CloudSettings) -> str:
         f"--tpu-type={tpu_type_for(job.run)}", "--num-slices=1",
         f"--max-restarts={settings.max_restarts}", f"--restart-on-exit-codes={RESTART_EXIT_CODE}",
         f"--env=SMELT_RUNS_DIR={settings.runs_dir}",
-        f"--command={quote(trainer_command(job))}",
+        f"--command={quote(trainer_command(job, settings))}",
     ])
 
 
@@ -153,7 +153,7 @@ class XpkBackend:
             return 0
         return execute_ready(planned, self.status(graph), self.settings, "xpk",
                              "install it with `pip install xpk` (github.com/AI-Hypercomputer/xpk)",
-                             SUBMIT_FIELDS)
+                             SUBMIT_FIELDS, graph=graph)
 
     def status(self, graph: JobGraph) -> dict[str, JobStatus]:
         return cloud_status(graph, self.settings)

@@ -274,12 +274,16 @@ def train(run: RunSpec, branch: int | None = None, *, root: Path | None = None, 
     every process; one device is a 1x1x1x1 mesh. Parameters and optimizer state are created (or
     restored) directly with their shardings; each process feeds its own rows of the global batch.
 
-    Process 0 first takes the phase's lock (`smelt_jax.train.lock`): a second trainer of the same
-    phase raises `LockHeld` naming the holder, before any other work.
+    `corpus` defaults to the embedded corpus; data of a tokenizer the run does not expect
+    (`RunSpec.check_data`) raises DataMismatch before anything is written. Process 0 then takes the
+    phase's lock (`smelt_jax.train.lock`): a second trainer of the same phase raises `LockHeld` naming
+    the holder, before any other work.
     """
     from smelt_jax.train import lock as lock_lib
 
     lr_lib.phase_steps(run.schedule, branch)  # a bad branch fails before anything is written
+    corpus = corpus if corpus is not None else _load_corpus()
+    run.check_data(corpus.tokenizer, f"the data at {getattr(corpus, 'root', '(in memory)')}")
     rd = run_dir(run.suite, run.id, root)
     if jax.process_index() != 0:
         return _train_phase(run, branch, rd, root, corpus, options, parallelism, None)
@@ -364,7 +368,6 @@ def _train_phase(run: RunSpec, branch: int | None, rd: RunDir, root: Path | None
     else:
         ckpt = probe
 
-    corpus = corpus if corpus is not None else _load_corpus()
     enable_compilation_cache()
     from smelt_jax.data.pipeline import TrainPipeline
 
