@@ -13,6 +13,8 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
+from http import HTTPStatus
 
 import pytest
 
@@ -49,10 +51,52 @@ def _send_generations(server_module) -> None:
 
     download.sends_generations = True
     objects.download = download  # `objects.get` (JSON API, alt=media) calls it by this name
+    _route(server_module, original, download)
+
+
+def _route(server_module, original, replacement) -> None:
     for _, handlers in server_module.HANDLERS:  # the routes hold the function itself
         for method, handler in list(handlers.items()):
             if handler is original:
-                handlers[method] = download
+                handlers[method] = replacement
+
+
+def _honour_preconditions(server_module) -> None:
+    """Real Cloud Storage refuses an upload or a delete whose `ifGenerationMatch` is not the object's
+    generation (0: the object must not exist) with 412; this emulator ignores the parameter. Its
+    insert and delete handlers are wrapped to check it first, under one lock so that check and write
+    are atomic, as on the real service (the trainer's lease on gs:// relies on it)."""
+    from gcp_storage_emulator.handlers import objects
+
+    if getattr(objects.insert, "honours_preconditions", False):
+        return
+    guard = threading.Lock()
+
+    def current_generation(storage, bucket: str, name: str) -> str:
+        try:
+            return str(storage.get_file_obj(bucket, name).get("generation") or "0")
+        except Exception:  # noqa: BLE001 - the emulator raises its own NotFound
+            return "0"
+
+    def conditional(original, name_of):
+        def handler(request, response, storage, *args, **kwargs):
+            wanted = request.query.get("ifGenerationMatch")
+            with guard:
+                if wanted and wanted[0] != current_generation(storage, request.params["bucket_name"],
+                                                              name_of(request)):
+                    response.status = HTTPStatus.PRECONDITION_FAILED
+                    return None
+                return original(request, response, storage, *args, **kwargs)
+
+        handler.honours_preconditions = True
+        return handler
+
+    for attr, name_of in (("insert", lambda r: (r.query.get("name") or [""])[0]),
+                          ("delete", lambda r: r.params["object_id"])):
+        original = getattr(objects, attr)
+        replacement = conditional(original, name_of)
+        setattr(objects, attr, replacement)
+        _route(server_module, original, replacement)
 
 
 @pytest.fixture(scope="session")
@@ -63,6 +107,7 @@ def gcs_emulator():
 
     logging.getLogger("gcp_storage_emulator").setLevel(logging.CRITICAL)  # a 404 is not an error here
     _send_generations(server_module)
+    _honour_preconditions(server_module)
     port = _free_port()
     server = server_module.create_server("127.0.0.1", port, in_memory=True, default_bucket=BUCKET)
     server.start()

@@ -95,6 +95,39 @@ def test_heartbeat_refreshes_and_a_taken_over_holder_knows(tmp_path):
     assert (tmp_path / LOCK_NAME).exists()  # not ours any more: left alone on release
 
 
+LEASE_CONTENDER = """
+import sys, time
+sys.path.insert(0, {repo!r})
+from smelt_jax.train.lock import GcsLease, LockHeld
+lease = GcsLease({folder!r}, description="run stable")
+lease.info["host"] = "elsewhere"  # judged by its heartbeat, as on another host of a pod
+while time.time() < {start!r}:
+    pass
+try:
+    lease.acquire()
+    print("WON", lease.token)
+except LockHeld:
+    print("HELD")
+"""
+
+
+def test_lease_race_between_processes_has_one_winner(tmp_path):
+    """The lease that guards gs:// runs, raced by six real processes at one instant on a local folder
+    (tensorstore's file kvstore gives the same generation-conditional writes as Cloud Storage): exactly
+    one wins and the lock names it."""
+    folder = tmp_path / "stable"
+    start = time.time() + 6.0  # every process imported and waiting by then
+    script = LEASE_CONTENDER.format(repo=str(REPO), folder=str(folder), start=start)
+    procs = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+             for _ in range(6)]
+    outputs = [proc.communicate(timeout=120)[0].split() for proc in procs]
+    assert all(proc.returncode == 0 for proc in procs)
+    assert time.time() > start
+    winners = [out[1] for out in outputs if out[0] == "WON"]
+    assert len(winners) == 1 and sum(out == ["HELD"] for out in outputs) == 5
+    assert json.loads((folder / LOCK_NAME).read_text())["token"] == winners[0]
+
+
 TWO_TRAINERS = """
 import sys
 sys.path.insert(0, {repo!r})

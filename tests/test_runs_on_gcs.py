@@ -192,6 +192,63 @@ def test_lease_on_a_bucket_is_exclusive_and_taken_over_when_stale(bucket_root):
     assert not gcs.exists(f"{folder}/trainer.lock")
 
 
+def test_conditional_writes_on_a_bucket(bucket_root):
+    """gcs.write_if / delete_if are compare-and-swap on the object's generation (ifGenerationMatch)."""
+    url = f"{bucket_root}/cas/object"
+    data, absent = gcs.read_versioned(url)
+    assert data is None
+    first = gcs.write_if(url, b"one", absent)
+    assert first is not None and gcs.write_if(url, b"two", absent) is None  # created meanwhile
+    second = gcs.write_if(url, b"two", first)
+    assert second not in (None, first) and gcs.read_versioned(url) == (b"two", second)
+    assert gcs.write_if(url, b"three", first) is None  # an old generation: refused
+    assert not gcs.delete_if(url, first) and gcs.exists(url)
+    assert gcs.delete_if(url, second) and not gcs.exists(url)
+
+
+def test_lease_race_on_a_bucket_has_one_winner(bucket_root):
+    """Eight trainers start at the same instant, then eight take over the same stale lease: each time
+    exactly one holds it (the server's ifGenerationMatch decides), the others see a live holder."""
+    import threading
+
+    from smelt_jax.train.lock import GcsLease, LockHeld
+
+    def race(folder: str, stale_after: float | None) -> list[GcsLease]:
+        leases = [GcsLease(folder, description="run stable", stale_after=stale_after) for _ in range(8)]
+        for lease in leases:
+            lease.info["host"] = "elsewhere"  # judged by heartbeat, not by this host's pids
+        barrier, winners = threading.Barrier(len(leases)), []
+
+        def contend(lease: GcsLease) -> None:
+            barrier.wait()
+            try:
+                lease.acquire()
+                winners.append(lease)
+            except LockHeld:
+                pass
+
+        threads = [threading.Thread(target=contend, args=(lease,)) for lease in leases]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        return winners
+
+    folder = f"{bucket_root}/race"
+    winners = race(folder, None)
+    assert len(winners) == 1
+    holder = winners[0]
+    # The holder looks dead to contenders with stale_after=0: all race for its one stale generation.
+    takers = race(folder, 0.0)
+    assert sum(t.took_over["token"] == holder.token for t in takers) == 1  # its generation: taken once
+    holder.refresh()
+    assert holder.lost
+    # With stale_after=0 every later contender may take over again; each took over its predecessor,
+    # never the same generation twice: the last one is the holder the object names.
+    assert json.loads(gcs.read_text(f"{folder}/trainer.lock"))["token"] == takers[-1].token
+    assert len({t.took_over["token"] for t in takers}) == len(takers)
+
+
 def test_results_collect_reads_endpoints_from_the_bucket(bucket_root, tmp_path):
     from smelt_jax.sweep.collect import collect
     from smelt_jax.train.trainer import _write_json_atomically

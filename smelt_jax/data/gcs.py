@@ -135,6 +135,50 @@ def delete(url) -> None:
         pass
 
 
+# Conditional operations (compare-and-swap on an object's generation) ---------------------------------
+@functools.lru_cache(maxsize=None)
+def _folder(path: str):
+    import tensorstore as ts
+
+    return ts.KvStore.open({"driver": "file", "path": path.rstrip("/") + "/"}).result()
+
+
+def _store_and_key(url) -> tuple[object, str]:
+    """The kvstore and key of `url`: the bucket's `gcs` kvstore on gs://, tensorstore's `file` kvstore of
+    the parent folder on a local path (it implements the same generation conditions, with lock files)."""
+    text = str(url)
+    if is_gcs(text):
+        bucket, key = split_gcs(text)
+        return _bucket(bucket), key
+    path = Path(normalize(text))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return _folder(str(path.parent)), path.name
+
+
+def read_versioned(url) -> tuple[bytes | None, bytes]:
+    """(the object's bytes, or None when absent; its generation). The generation is an opaque token for
+    `write_if` / `delete_if`; that of an absent object means "still absent"."""
+    store, key = _store_and_key(url)
+    result = store.read(key).result()
+    return (bytes(result.value) if result.state == "value" else None), bytes(result.stamp.generation)
+
+
+def write_if(url, data: bytes, generation: bytes) -> bytes | None:
+    """Write `data` only if the object still has `generation` (from `read_versioned`; an absent object's
+    generation: create only if still absent). Returns the new generation, or None when the object
+    changed meanwhile and nothing was written. On Cloud Storage this is the `ifGenerationMatch`
+    precondition, decided by the server."""
+    store, key = _store_and_key(url)
+    stamp = store.write(key, bytes(data), if_equal=generation).result()
+    return bytes(stamp.generation) or None
+
+
+def delete_if(url, generation: bytes) -> bool:
+    """Delete the object only if it still has `generation`; True when it was deleted."""
+    store, key = _store_and_key(url)
+    return bool(store.write(key, None, if_equal=generation).result().generation)
+
+
 def _successor(prefix: str) -> str:
     return prefix[:-1] + chr(ord(prefix[-1]) + 1) if prefix else ""
 

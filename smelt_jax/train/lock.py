@@ -15,9 +15,9 @@ stale time) notices at its next heartbeat: `lost` becomes true and the trainer s
 
 The interface (`PhaseLock`: acquire / refresh / release / lost) is what the trainer uses; `LocalLock`
 implements it on a local or NFS-free shared disk with `O_CREAT | O_EXCL` and an atomic rename for the
-takeover; `GcsLease` on a `gs://` run root (an object carrying its heartbeat, written then read back;
-without generation-match preconditions yet, see its docstring). `phase_lock` picks the implementation
-from the path.
+takeover; `GcsLease` on a `gs://` run root (an object carrying its heartbeat, every write conditional on
+its generation: Cloud Storage's `ifGenerationMatch`). `phase_lock` picks the implementation from the
+path.
 """
 
 from __future__ import annotations
@@ -198,16 +198,17 @@ class GcsLease(LocalLock):
     """`PhaseLock` on Cloud Storage: the lock object `<phase>/trainer.lock` holds the holder's info and
     its heartbeat time (`"heartbeat"`, seconds since the epoch; an object has no mtime to touch).
 
-    Acquire: read the object; a live holder (heartbeat newer than the stale time, or a live pid on this
-    host) raises LockHeld; else write our info and read it back: the lock is ours if the object then
-    carries our token. Refresh rewrites it with a new heartbeat after checking the token; release
-    deletes it if it is still ours.
-
-    Not done yet: conditional writes (`ifGenerationMatch`: create only if absent, take over only the
-    stale generation). Without them two trainers starting within the same instant could both write,
-    and the one whose write lands second wins; the first notices at its next heartbeat (lost) and
-    stops without saving. The local Cloud Storage emulator used by the tests ignores the
-    precondition and reports generation 0, so conditional writes could not be tested here.
+    Every write is conditional on the object's generation (`gcs.write_if`, Cloud Storage's
+    `ifGenerationMatch`), so the server decides every race:
+    - acquire: read the object; a live holder (heartbeat newer than the stale time, or a live pid on
+      this host) raises LockHeld; else write our info if the object is still what was read (absent, or
+      the stale holder's generation). Of two trainers starting at the same instant exactly one write
+      succeeds; the other reads again and finds a live holder.
+    - refresh: rewrite the heartbeat only over our own last generation; a failed write means another
+      trainer took the lock over (we looked dead): `lost`.
+    - release: delete only our own generation.
+    It works on any path `gcs.write_if` takes (a local path goes through tensorstore's `file` kvstore,
+    which the tests use to race real processes); `phase_lock` uses it for gs:// roots only.
     """
 
     def __init__(self, folder: str, *, description: str = "", stale_after: float | None = None) -> None:
@@ -216,48 +217,62 @@ class GcsLease(LocalLock):
         self._gcs = gcs
         self.folder = str(folder).rstrip("/")
         self.path = f"{self.folder}/{LOCK_NAME}"
+        self._generation = b""
 
-    def _read(self, path=None) -> tuple[dict, float] | None:
+    @staticmethod
+    def _parse(data: bytes) -> tuple[dict, float]:
         try:
-            text = self._gcs.read_text(self.path)
-        except FileNotFoundError:
-            return None
-        try:
-            info = json.loads(text)
+            info = json.loads(data.decode("utf-8"))
         except ValueError:
             info = {}
         info = info if isinstance(info, dict) else {}
         heartbeat = info.get("heartbeat")
         return info, float(heartbeat) if isinstance(heartbeat, (int, float)) else 0.0
 
-    def _write(self) -> None:
-        self._gcs.write_text(self.path, json.dumps({**self.info, "heartbeat": time.time()}))
+    def _read(self, path=None) -> tuple[dict, float] | None:
+        data, _generation = self._gcs.read_versioned(self.path)
+        return None if data is None else self._parse(data)
+
+    def _payload(self) -> bytes:
+        return json.dumps({**self.info, "heartbeat": time.time()}).encode("utf-8")
 
     def acquire(self) -> None:
         for _attempt in range(5):
-            found = self._read()
-            if found is not None:
-                info, heartbeat = found
+            data, generation = self._gcs.read_versioned(self.path)
+            previous = None
+            if data is not None:
+                info, heartbeat = self._parse(data)
                 if info.get("token") != self.token and not self._stale(info, heartbeat):
                     raise LockHeld(self.holder_line(info, heartbeat))
-                if info.get("token") != self.token:
-                    self.took_over = info
-            self._write()
-            mine = self._read()
-            if mine is not None and mine[0].get("token") == self.token:
+                previous = info if info.get("token") != self.token else None
+            written = self._gcs.write_if(self.path, self._payload(), generation)
+            if written is not None:
+                self._generation, self.took_over = written, previous
                 self._held, self._lost = True, False
                 return
-            self.took_over = None
+            # Another trainer wrote between our read and our write: read again.
         found = self._read()
         raise LockHeld(self.holder_line(*found) if found else
                        f"{self.description}: could not take the lock {self.path}; try again")
 
-    def refresh(self) -> None:
-        if self._still_ours():
-            self._write()
+    def _still_ours(self) -> bool:
+        return self._held and not self._lost
 
-    def _delete(self) -> None:
-        self._gcs.delete(self.path)
+    def refresh(self) -> None:
+        if not self._still_ours():
+            return
+        written = self._gcs.write_if(self.path, self._payload(), self._generation)
+        if written is None:
+            self._lost = True  # the generation moved on: another trainer took the lock over
+        else:
+            self._generation = written
+
+    def release(self) -> None:
+        if not self._held:
+            return
+        self._held = False
+        if not self._lost:
+            self._gcs.delete_if(self.path, self._generation)
 
 
 def phase_lock(folder: str | os.PathLike, *, description: str = "") -> PhaseLock:
