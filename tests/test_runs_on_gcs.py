@@ -192,6 +192,28 @@ def test_lease_on_a_bucket_is_exclusive_and_taken_over_when_stale(bucket_root):
     assert not gcs.exists(f"{folder}/trainer.lock")
 
 
+XLA_CACHE_SCRIPT = """
+import jax, jax.numpy as jnp
+from smelt_jax.train.trainer import enable_compilation_cache
+enable_compilation_cache()
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)  # cache even this small program
+print(float(jax.jit(lambda x: jnp.sin(x) @ x.T + 1)(jnp.ones((64, 64))).sum()))
+"""
+
+
+def test_compilation_cache_on_a_bucket(bucket_root):
+    """$SMELT_XLA_CACHE=gs://...: compiled programs are written to the bucket (jax through etils.epath)."""
+    import subprocess
+    import sys
+
+    cache = f"{bucket_root}/xla"
+    env = {**os.environ, "SMELT_XLA_CACHE": cache, "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run([sys.executable, "-c", XLA_CACHE_SCRIPT], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert any("jit__lambda" in name for name in gcs.list_files(cache))
+
+
 def test_conditional_writes_on_a_bucket(bucket_root):
     """gcs.write_if / delete_if are compare-and-swap on the object's generation (ifGenerationMatch)."""
     url = f"{bucket_root}/cas/object"

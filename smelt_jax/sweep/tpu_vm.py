@@ -40,8 +40,9 @@ def worker_command(job: Job, settings: CloudSettings) -> str:
     The image's entrypoint is `smelt` (Dockerfile); the trainer command replaces it."""
     registry = settings.image.split("/", 1)[0]
     program, *args = trainer_command(job, settings)
-    docker = ["sudo", "docker", "run", "--rm", "--privileged", "--net=host",
-              "-e", f"SMELT_RUNS_DIR={settings.runs_dir}", f"--entrypoint={program}", settings.image, *args]
+    env = [flag for k, v in settings.job_env().items() for flag in ("-e", f"{k}={v}")]
+    docker = ["sudo", "docker", "run", "--rm", "--privileged", "--net=host", *env,
+              f"--entrypoint={program}", settings.image, *args]
     return (f"{quote(['sudo', 'gcloud', 'auth', 'configure-docker', registry, '--quiet'])} "
             f"&& {quote(docker)}")
 

@@ -52,7 +52,7 @@ def jobset_manifest(graph: JobGraph, job: Job, settings: CloudSettings) -> dict:
             "name": CONTAINER,
             "image": settings.image,
             "command": trainer_command(job, settings),
-            "env": [{"name": "SMELT_RUNS_DIR", "value": settings.runs_dir},
+            "env": [*({"name": k, "value": v} for k, v in settings.job_env().items()),
                     {"name": "PYTHONUNBUFFERED", "value": "1"}],
             "resources": {"limits": {"google.com/tpu": tpu.chips_per_host},
                           "requests": {"google.com/tpu": tpu.chips_per_host}},
@@ -120,7 +120,7 @@ def xpk_command(graph: JobGraph, job: Job, settings: CloudSettings) -> str:
         f"--zone={settings.zone}", f"--workload={job.name}", f"--docker-image={settings.image}",
         f"--tpu-type={tpu_type_for(job.run)}", "--num-slices=1",
         f"--max-restarts={settings.max_restarts}", f"--restart-on-exit-codes={RESTART_EXIT_CODE}",
-        f"--env=SMELT_RUNS_DIR={settings.runs_dir}",
+        *(f"--env={k}={v}" for k, v in settings.job_env().items()),
         f"--command={quote(trainer_command(job, settings))}",
     ])
 
