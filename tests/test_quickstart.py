@@ -202,14 +202,24 @@ def test_submit_refuses_the_placeholder_image(tmp_path, monkeypatch, capsys):
 
 # --- make image / push-image ---------------------------------------------------------------------------
 
-def path_without(*tools: str) -> str:
-    return os.pathsep.join(d for d in os.environ["PATH"].split(os.pathsep)
-                           if d and not any((Path(d) / t).exists() for t in tools))
+def path_without(tmp_path: Path, *tools: str) -> str:
+    """A PATH of one folder linking every program on this PATH except `tools`. Dropping whole PATH folders
+    instead would drop make, git and the shell's tools with them where docker shares their folder (e.g.
+    docker.io from Debian in /usr/bin)."""
+    shim = tmp_path / "path"
+    shim.mkdir()
+    for folder in reversed([d for d in os.environ["PATH"].split(os.pathsep) if d and Path(d).is_dir()]):
+        for program in Path(folder).iterdir():  # reversed: the first folder on PATH wins, as in a lookup
+            if program.name not in tools and os.access(program, os.X_OK) and not program.is_dir():
+                (shim / program.name).unlink(missing_ok=True)
+                (shim / program.name).symlink_to(program)
+    assert not any(shutil.which(t, path=str(shim)) for t in tools)
+    return str(shim)
 
 
 def make(target: list[str], path: str, **env) -> subprocess.CompletedProcess:
     clean = {k: v for k, v in os.environ.items() if k not in ("IMAGE", "CONTAINER_TOOL", "MAKEFLAGS")}
-    return subprocess.run(["make", "-s", *target], cwd=REPO, env={**clean, "PATH": path, **env},
+    return subprocess.run([shutil.which("make"), "-s", *target], cwd=REPO, env={**clean, "PATH": path, **env},
                           capture_output=True, text=True, timeout=60)
 
 
@@ -224,8 +234,8 @@ def fake_tool(tmp_path: Path, info_rc: int) -> Path:
 
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
-def test_make_image_without_a_container_tool():
-    proc = make(["image"], path_without("docker", "podman"))
+def test_make_image_without_a_container_tool(tmp_path):
+    proc = make(["image"], path_without(tmp_path, "docker", "podman"))
     assert proc.returncode != 0
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "no container tool found" in lines[0], proc.stderr
@@ -235,7 +245,7 @@ def test_make_image_without_a_container_tool():
 @pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
 def test_make_image_with_an_unreachable_daemon(tmp_path):
     bin_dir = fake_tool(tmp_path, info_rc=1)
-    proc = make(["image"], f"{bin_dir}{os.pathsep}{path_without('docker', 'podman')}")
+    proc = make(["image"], f"{bin_dir}{os.pathsep}{path_without(tmp_path, 'docker', 'podman')}")
     assert proc.returncode != 0
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "cannot reach its daemon" in lines[0], proc.stderr
@@ -245,7 +255,7 @@ def test_make_image_with_an_unreachable_daemon(tmp_path):
 @pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
 def test_make_image_and_push_with_a_tool(tmp_path):
     bin_dir = fake_tool(tmp_path, info_rc=0)
-    path = f"{bin_dir}{os.pathsep}{path_without('docker', 'podman')}"
+    path = f"{bin_dir}{os.pathsep}{path_without(tmp_path, 'docker', 'podman')}"
     proc = make(["image"], path)
     assert proc.returncode == 0, proc.stderr
     sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
