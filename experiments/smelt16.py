@@ -21,6 +21,9 @@ VOCAB = 65_536  # not published; a 64k BPE vocabulary (embeddings are outside ev
 # --vocab-size 65536`); `RunSpec.check_data` refuses any other data, the embedded byte corpus included.
 TOKENIZER = "hf"
 SEQ_LEN = 4096
+# The suite's runs compute in bf16 (float32 parameters, optimizer state, router, softmax and norm
+# statistics); applied in `build` only, so suites built from `baseline_config` keep their own dtype.
+COMPUTE_DTYPE = "bfloat16"
 
 # scale -> (d_model, n_layers, n_heads, head_dim, n_kv_heads, expert_ffn): docs/budget.md.
 BASELINE_GEOMETRY = {
@@ -80,8 +83,10 @@ def build() -> list[RunSpec]:
                       "smelt": smelt_config(scale, label)}
             for arch in ("baseline", "smelt"):
                 runs.append(RunSpec(suite=SUITE, scale=scale, sparsity_label=label, arch=arch,
-                                    model=models[arch], schedule=schedule(scale),
-                                    control=controls[arch], pair_id=f"{SUITE}-{scale}-{label}",
-                                    tokenizer=TOKENIZER, parallelism=layouts.get(layout_key(scale, label, arch),
+                                    model=models[arch].replace(compute_dtype=COMPUTE_DTYPE),
+                                    schedule=schedule(scale),
+                                    control=controls[arch].replace(compute_dtype=COMPUTE_DTYPE),
+                                    pair_id=f"{SUITE}-{scale}-{label}", tokenizer=TOKENIZER,
+                                    parallelism=layouts.get(layout_key(scale, label, arch),
                                                             Parallelism())))
     return runs

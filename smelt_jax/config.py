@@ -14,7 +14,8 @@ import math
 from typing import Any
 
 from smelt_jax.errors import SmeltError
-from smelt_jax.kernels.backend import EXPERT_IMPLS  # the backend names, defined once (jax-free)
+# The backend names, defined once (jax-free).
+from smelt_jax.kernels.backend import ATTENTION_IMPLS, EXPERT_EXCHANGES, EXPERT_IMPLS
 
 
 class ConfigError(SmeltError, ValueError):
@@ -45,10 +46,10 @@ def content_hash(obj: Any, length: int = 8) -> str:
 
 
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
-EXPERT_EXCHANGES = ("padded", "ragged")  # how expert parallelism moves tokens: model/expert_exchange.py
 # Fields added after run ids were first published: left out of `to_dict` (and so of every content hash)
-# while they hold these defaults, so existing run ids, cache keys and golden files stay valid.
-_OMITTED_WHEN_DEFAULT = {"expert_exchange": "padded"}
+# while they hold these defaults, so existing run ids, cache keys and golden files stay valid. Both are
+# execution choices resolved by platform (kernels/backend.py); an explicit value is hashed.
+_OMITTED_WHEN_DEFAULT = {"expert_exchange": "auto", "attention_impl": "auto"}
 # Fields moved out of ModelConfig after run ids were published, with the value every published id hashed.
 # `identity()` adds them back, so ids and cache keys stay valid; `from_dict` drops them from old spec
 # files. `remat` is an execution choice and lives with the layout (`descriptors.Parallelism.remat`).
@@ -88,7 +89,11 @@ class ModelConfig:
     expert_impl: str = "auto"
     param_dtype: str = "float32"
     compute_dtype: str = "float32"
-    expert_exchange: str = "padded"  # "ragged": send only filled rows (TPU/GPU; XLA:CPU lacks it)
+    # How expert parallelism moves tokens (model/expert_exchange.py): "auto" = ragged on TPU/GPU, padded
+    # on CPU (XLA:CPU lacks ragged-all-to-all); kernels/backend.choose_expert_exchange decides.
+    expert_exchange: str = "auto"
+    # "auto" = Pallas splash attention on TPU, the reference elsewhere: choose_attention_backend.
+    attention_impl: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("vocab", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
@@ -119,6 +124,8 @@ class ModelConfig:
                  f"expert_impl {self.expert_impl!r} not in {EXPERT_IMPLS}")
         _require(self.expert_exchange in EXPERT_EXCHANGES,
                  f"expert_exchange {self.expert_exchange!r} not in {EXPERT_EXCHANGES}")
+        _require(self.attention_impl in ATTENTION_IMPLS,
+                 f"attention_impl {self.attention_impl!r} not in {ATTENTION_IMPLS}")
         _require(self.param_dtype in DTYPES and self.compute_dtype in DTYPES,
                  f"dtypes must be in {DTYPES}")
 

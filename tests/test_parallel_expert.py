@@ -13,6 +13,7 @@ from flax import nnx
 from smelt_jax import sharding
 from smelt_jax.config import ModelConfig
 from smelt_jax.descriptors import Parallelism
+from smelt_jax.kernels.backend import choose_expert_exchange
 from smelt_jax.model import moe as moe_module
 from smelt_jax.model.dispatch import kept_copies
 from smelt_jax.model.expert_exchange import exchanged_expert_outputs
@@ -76,6 +77,7 @@ def _ragged_all_to_all_emulated(operand, output, input_offsets, send_sizes, outp
     ({"data": 1, "expert": 4, "tensor": 2}, 2, 8, "one_expert", None, "padded"),
     ({"data": 2, "expert": 4}, 4, 8, "random", 1.0, "padded"),  # capacity drops, as the unsharded layer
     ({"data": 1, "expert": 8}, 3, 5, "random", None, "ragged"),
+    ({"data": 1, "expert": 8}, 3, 5, "random", None, "auto"),  # the default: padded on this CPU
     ({"data": 2, "expert": 4}, 4, 8, "one_expert", 1.0, "ragged"),
 ])
 def test_expert_parallel_moe_matches_the_unsharded_layer(layout, b, s, routing, capacity_factor, exchange,
@@ -99,7 +101,8 @@ def test_expert_parallel_moe_matches_the_unsharded_layer(layout, b, s, routing, 
     with jax.set_mesh(mesh):
         (value, (y, stats)), grads = jax.jit(jax.value_and_grad(objective, (0, 1), has_aux=True))(
             state, x)
-    assert calls and calls[0]["ragged"] == (exchange == "ragged")  # the exchange strategy really ran
+    # the exchange strategy really ran, and "auto" took padded on this CPU
+    assert calls and calls[0]["ragged"] == (exchange == "ragged")
     if routing == "empty_expert":
         assert float(ref_stats["counts"][5]) == 0.0
     if routing == "one_expert":
@@ -117,9 +120,10 @@ def test_expert_parallel_moe_matches_the_unsharded_layer(layout, b, s, routing, 
 
 
 @pytest.mark.tpu
-def test_the_ragged_exchange_compiles_for_a_tpu_slice():
+def test_the_ragged_exchange_is_the_default_for_a_tpu_slice():
     """The real ragged-all-to-all (and JAX's transpose of it, in the backward pass) in a micro train
-    step, compiled by the TPU compiler: it is accepted, and it replaces the padded all-to-alls."""
+    step, compiled by the TPU compiler: it is what the default (`auto`) exchange compiles to for TPU, it
+    is accepted, and it replaces the all-to-alls of the explicit padded exchange."""
     from smelt_jax.compile import aot
     from smelt_jax.compile import report as cr
 
@@ -130,19 +134,38 @@ def test_the_ragged_exchange_compiles_for_a_tpu_slice():
 
     run = next(r for r in experiments.load_suite("smoke") if r.arch == "baseline")
     layout = Parallelism(data=1, fsdp=2, expert=2)
-    padded = cr.compile_run(run, "v5p-8", layout, remat="full")
-    ragged_run = dataclasses.replace(run, model=run.model.replace(expert_exchange="ragged"))
-    ragged = cr.compile_run(ragged_run, "v5p-8", layout, remat="full")
+    assert run.model.expert_exchange == "auto"
+    ragged = cr.compile_run(run, "v5p-8", layout, remat="full")  # the default
+    padded_run = dataclasses.replace(run, model=run.model.replace(expert_exchange="padded"))
+    padded = cr.compile_run(padded_run, "v5p-8", layout, remat="full")
     assert padded.peak_fits_hbm and ragged.peak_fits_hbm
     assert ragged.collectives.get("ragged-all-to-all", 0) > 0
+    assert padded.collectives.get("ragged-all-to-all", 0) == 0
     assert ragged.collectives.get("all-to-all", 0) < padded.collectives["all-to-all"]
 
 
-def test_ragged_exchange_leaves_run_ids_alone():
+@pytest.mark.parametrize("requested,platform,expected", [
+    ("auto", "tpu", "ragged"), ("auto", "gpu", "ragged"), ("auto", "cuda", "ragged"),
+    ("auto", "cpu", "padded"), ("padded", "tpu", "padded"), ("ragged", "cpu", "ragged"),
+])
+def test_the_exchange_is_chosen_by_platform_in_one_place(requested, platform, expected):
+    assert choose_expert_exchange(requested, platform) == expected
+
+
+def test_auto_exchange_reads_the_default_backend():
+    assert choose_expert_exchange("auto") == ("padded" if jax.default_backend() == "cpu" else "ragged")
+    with pytest.raises(ValueError, match="not in"):
+        choose_expert_exchange("sparse", "tpu")
+
+
+def test_the_auto_exchange_leaves_run_ids_alone():
+    assert CFG.expert_exchange == "auto"
     assert "expert_exchange" not in CFG.to_dict()  # the default is left out of every content hash
-    ragged = CFG.replace(expert_exchange="ragged")
-    assert ragged.to_dict()["expert_exchange"] == "ragged"
-    assert ModelConfig.from_dict(ragged.to_dict()) == ragged and ModelConfig.from_dict(CFG.to_dict()) == CFG
+    for explicit in ("ragged", "padded"):  # an explicit choice is part of the configuration
+        chosen = CFG.replace(expert_exchange=explicit)
+        assert chosen.to_dict()["expert_exchange"] == explicit
+        assert ModelConfig.from_dict(chosen.to_dict()) == chosen
+    assert ModelConfig.from_dict(CFG.to_dict()) == CFG
     with pytest.raises(ValueError, match="expert_exchange"):
         CFG.replace(expert_exchange="sparse")
 

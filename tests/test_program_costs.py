@@ -174,3 +174,28 @@ def test_analyse_takes_the_larger_of_compute_and_communication():
     bare = cr.analyse(_report(), by_kind, None)
     assert bare.step_seconds is None and bare.mfu is None  # no collectives known: no roofline claimed
 
+
+
+def test_splash_flops_are_not_scaled_by_the_expert_buffer_fill():
+    """The fill is the share of the expert kernels' rows that carry tokens; splash runs what it counts."""
+    assert cr.executed_flops({"pallas": 800.0, "splash": 100.0, "dot_general": 10.0}, 0.125) == 210.0
+
+
+def test_the_window_term_counts_the_keys_the_tpu_attention_executes():
+    """On TPU (splash, 4096 keys in blocks of 512) the attention executes as much as a dense one over
+    2688 keys (kernels.splash.dense_equivalent_keys); the reference scores all 4096."""
+    from smelt_jax import budget as budget_lib
+    from smelt_jax.config import ModelConfig
+
+    cfg = ModelConfig(vocab=1024, d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=64,
+                      n_experts=8, top_k=2, expert_ffn=128, seq_len=4096)
+    per_key = 12 * cfg.executed_layers * cfg.q_width  # train FLOPs per token and attended key
+    tokens = 1000.0
+    budget = budget_lib.train_flops_per_token(cfg) * tokens
+    splash_terms = cr.flop_accounting(cfg, tokens, 3 * budget, 2 * budget)
+    assert splash_terms["attention_window"] == pytest.approx(per_key * (2688 - 400) * tokens)
+    reference = cfg.replace(attention_impl="reference")
+    reference_terms = cr.flop_accounting(reference, tokens, 3 * budget, 2 * budget)
+    assert reference_terms["attention_window"] == pytest.approx(per_key * (4096 - 400) * tokens)
+    for terms in (splash_terms, reference_terms):
+        assert sum(terms.values()) == pytest.approx(3 * budget)

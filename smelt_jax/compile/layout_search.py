@@ -40,7 +40,7 @@ from smelt_jax.parallel.layout import run_key
 from smelt_jax.paths import checkout_root
 
 # Bump when the compiled program or the report's fields change: older cache files are then ignored.
-CACHE_VERSION = 2  # 2: Pallas lane tiles chosen to pad least; HLO kept
+CACHE_VERSION = 3  # 2: Pallas lane tiles chosen to pad least; HLO kept. 3: splash + ragged defaults on TPU
 CACHE_DIR = checkout_root() / "data_cache" / "compile_report"
 
 # A layout is kept when the compiler accepts it with its peak under HBM (`CompileReport.peak_fits_hbm`)
@@ -270,15 +270,17 @@ def render_table(results: Iterable[SearchResult], command: str) -> str:
              "configurations compiled and fit. Per-device numbers from the TPU compiler's program "
              "(compiled, never run). **budget** = train_flops_per_token x tokens per step / chips; "
              "**program** = the matmul FLOPs the step executes (jaxpr, loops x trip count, Pallas kernels "
-             "at the rows that carry tokens), and the terms that separate the two, as shares of the budget "
-             "(**window**: every [seq, seq] score is computed, 4096 keys not 400; **logits**: the unembedding; "
+             "at the rows that carry tokens, splash attention at the blocks it runs), and the terms that "
+             "separate the two, as shares of the budget "
+             "(**window**: the keys each query's attention executes beyond the budget's 400: all 4096 for the "
+             "reference attention, the dense equivalent of 2688 for splash; **logits**: the unembedding; "
              "**remat**: recomputation, measured by tracing with remat none; **other**: the rest, mostly Pallas "
              "tile padding); **XLA count** = `cost_analysis()` FLOPs, which count each "
              "loop body once (not a work measure). **Executed collectives** per step with loops x trip "
              "count, and the GiB each device sends (all-reduce twice its size). **step >=** = "
              f"max(program FLOPs / {peak}, GiB sent / {ici}): a roofline lower bound, so "
              "**MFU <=** (budget FLOPs / (step x peak)) is an upper bound; 'ragged' projects the ICI time "
-             "if the expert all-to-alls sent only their filled rows (`expert_exchange='ragged'`). "
+             "if the expert all-to-alls sent only their filled rows (shown for padded programs only). "
              "Fit = compiler accepted, peak "
              f"< HBM, and arguments + temporaries <= {HBM_HEADROOM:.0%} of HBM.")
     lines = [intro, "", TABLE_HEADER]

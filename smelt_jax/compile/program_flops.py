@@ -8,7 +8,10 @@ counts from the jaxpr instead, where a `scan` carries its `length`:
     flops = program_flops(jax.make_jaxpr(train_step)(*abstract_args))
 
 Counted: `dot_general` (2 x output elements x contracted size), `ragged_dot_general` (every row of the
-ragged operand once), `pallas_call` (the kernel's own `cost_estimate`), `conv_general_dilated`.
+ragged operand once), `pallas_call` (the kernel's own `cost_estimate`), `conv_general_dilated`. Splash
+attention's kernels carry no cost estimate: they are counted as what they execute, the matmuls of one
+grid step (from the kernel's body) times the steps the causal block mask lets run
+(`kernels.splash.kernel_flops`), under the kind "splash".
 Elementwise work, reductions and collectives are not FLOPs here (the usual MFU convention). Bodies of
 `scan` are multiplied by `length`; `cond` takes its most expensive branch; a `while` (unknown trip
 count) is counted once and reported in `unknown_trip_loops`; `shard_map` bodies (per-shard shapes) are
@@ -23,7 +26,10 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
+import jax.numpy as jnp
 from jax._src import core  # ClosedJaxpr/Jaxpr types: not re-exported publicly in JAX 0.10
+
+from smelt_jax.kernels import splash
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +104,10 @@ def _walk(jaxpr: core.Jaxpr, acc: dict[str, float], counters: dict[str, int]) ->
             acc["conv"] += 2.0 * math.prod(eqn.outvars[0].aval.shape) * in_features * window
         elif name == "pallas_call":
             estimate = params.get("cost_estimate")
-            if estimate is None:
+            if str(params.get("name", "")).startswith(splash.KERNEL_PREFIX):
+                step = sum(_count(_jaxprs(params["jaxpr"]), counters).values())
+                acc["splash"] += splash.kernel_flops(params["grid_mapping"].grid, _query_shape(eqn), step)
+            elif estimate is None:
                 counters["pallas_without_estimate"] += 1
             else:
                 acc["pallas"] += float(estimate.flops)
@@ -128,8 +137,17 @@ def _walk(jaxpr: core.Jaxpr, acc: dict[str, float], counters: dict[str, int]) ->
                         acc[kind] += flops
 
 
+def _query_shape(eqn) -> tuple[int, ...]:
+    """A splash kernel's query operand, [..., heads, seq, hd]: its first floating input of rank >= 3."""
+    for var in eqn.invars:
+        aval = var.aval
+        if len(aval.shape) >= 3 and jnp.issubdtype(aval.dtype, jnp.floating):
+            return tuple(aval.shape)
+    raise ValueError(f"no query operand in splash kernel {eqn.params.get('name')}")
+
+
 def _count(jaxprs: Iterable[core.Jaxpr], counters: dict[str, int]) -> dict[str, float]:
-    acc = {"dot_general": 0.0, "ragged_dot": 0.0, "pallas": 0.0, "conv": 0.0}
+    acc = {"dot_general": 0.0, "ragged_dot": 0.0, "pallas": 0.0, "splash": 0.0, "conv": 0.0}
     for jaxpr in jaxprs:
         _walk(jaxpr, acc, counters)
     return acc

@@ -35,7 +35,8 @@ from smelt_jax.compile.hlo_stats import hlo_stats
 from smelt_jax.compile.program_flops import ProgramFlops, program_flops
 from smelt_jax.descriptors import Parallelism, RunSpec
 from smelt_jax.hardware import Slice, parse_slice
-from smelt_jax.kernels.backend import choose_expert_backend
+from smelt_jax.kernels import splash
+from smelt_jax.kernels.backend import choose_attention_backend, choose_expert_backend, choose_expert_exchange
 from smelt_jax.model.expert_exchange import buffer_fill
 
 @dataclasses.dataclass(frozen=True)
@@ -135,10 +136,14 @@ def analyse(report: CompileReport, program_flops_by_kind: dict[str, float] | Non
     return report
 
 
-# The expert backend a TPU run uses, decided as the TPU would run it on `mesh` (this machine's own
-# platform is the CPU, so the platform is named): kernels/backend.choose_expert_backend.
+# The backends a TPU run uses (expert FFN, expert exchange, attention), decided as the TPU would run them
+# on `mesh` (this machine's own platform is the CPU, so the platform is named): kernels/backend.py.
 def _tpu_config(run: RunSpec, mesh: jax.sharding.Mesh):
-    return run.model.replace(expert_impl=choose_expert_backend(run.model.expert_impl, "tpu", mesh))
+    model = run.model
+    return model.replace(
+        expert_impl=choose_expert_backend(model.expert_impl, "tpu", mesh),
+        expert_exchange=choose_expert_exchange(model.expert_exchange, "tpu"),
+        attention_impl=choose_attention_backend(model.attention_impl, "tpu", seq_len=run.schedule.seq_len))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,15 +196,20 @@ def flop_accounting(cfg, tokens_per_device: float, executed_with_remat: float,
     """Where a device's program FLOPs come from, per step (terms sum to `executed_with_remat`):
 
     budget            6 N_exec + 12 L_exec q_width x 400 keys, per token (the paper's convention);
-    attention_window  the model computes every [seq, seq] score and masks it: seq keys, not 400;
+    attention_window  the keys the attention executes per query beyond the budget's 400: the reference
+                      computes every [seq, seq] score and masks it (seq keys); splash skips the blocks
+                      after the diagonal (`kernels.splash.dense_equivalent_keys`: 2688 of 4096);
     unembedding       2 d vocab per token forward, x3 for training (outside the budget by convention);
     remat             recomputation: the program traced with remat 'none' subtracted (measured);
     other             the rest: Pallas tile padding of d_model and the expert width to lane-tile
                       multiples, the router's matmuls, and anything else the budget does not count.
     """
+    keys = cfg.seq_len
+    if choose_attention_backend(cfg.attention_impl, "tpu", seq_len=cfg.seq_len) == "splash":
+        keys = splash.dense_equivalent_keys(cfg.seq_len)
     budget = budget_lib.train_flops_per_token(cfg) * tokens_per_device
-    window = budget_lib.train_flops_per_token(cfg, attended_keys=cfg.seq_len) * tokens_per_device
-    with_logits = budget_lib.train_flops_per_token(cfg, attended_keys=cfg.seq_len,
+    window = budget_lib.train_flops_per_token(cfg, attended_keys=keys) * tokens_per_device
+    with_logits = budget_lib.train_flops_per_token(cfg, attended_keys=keys,
                                                    include_unembedding=True) * tokens_per_device
     return {"budget": budget, "attention_window": window - budget, "unembedding": with_logits - window,
             "remat": executed_with_remat - executed_without_remat,
@@ -274,6 +284,7 @@ def trace_program_flops(run: RunSpec, slice_name: str, layout: Parallelism | Non
 def write_hlo(path: str | os.PathLike, hlo_text: str) -> None:
     """Gzipped HLO text at `path`, written atomically (a crash leaves no half file)."""
     tmp = f"{os.fspath(path)}.tmp"
+    os.makedirs(os.path.dirname(os.path.abspath(tmp)), exist_ok=True)  # the cache folder may not exist yet
     with gzip.open(tmp, "wt", compresslevel=6) as f:
         f.write(hlo_text)
     os.replace(tmp, path)

@@ -1,4 +1,5 @@
-"""The one place that decides which expert backend runs: `choose_expert_backend`.
+"""The one place that decides which backends run: `choose_expert_backend` (the expert FFN),
+`choose_expert_exchange` (how expert parallelism moves tokens) and `choose_attention_backend`.
 
 Every caller asks this function: `ModelConfig` validates `expert_impl` against `EXPERT_IMPLS`, the MoE
 layer and `expert_ffn` resolve through it, and the ahead-of-time compile report asks it for a TPU
@@ -13,6 +14,11 @@ Rules:
   expert-parallel exchange, which the MoE layer takes when the mesh's `expert` axis is larger than 1 (each
   device then runs the kernel on its own experts). On any other multi-device mesh they become
   `ragged_dot`, XLA's partitionable grouped matmul.
+- The expert exchange `auto` is `ragged` (`jax.lax.ragged_all_to_all`: only the filled rows travel) on
+  TPU and GPU, and `padded` on CPU, whose XLA lacks ragged-all-to-all.
+- Attention `auto` is `splash` (Pallas splash attention, causal block skipping: `kernels/splash.py`) on
+  TPU for a full forward whose row length is a multiple of its blocks, and `reference` (the masked dense
+  `model.attention.dot_product_attention`, the test oracle) everywhere else.
 """
 
 from __future__ import annotations
@@ -23,6 +29,10 @@ AUTO_BACKEND = {"tpu": "pallas", "gpu": "ragged_dot", "cpu": "tiled"}
 _PLATFORM_ALIASES = {"cuda": "gpu", "rocm": "gpu"}
 MOSAIC_BACKENDS = ("pallas", "megablox")
 GSPMD_BACKEND = "ragged_dot"
+EXPERT_EXCHANGES = ("auto", "padded", "ragged")  # valid `ModelConfig.expert_exchange` values
+AUTO_EXCHANGE = {"tpu": "ragged", "gpu": "ragged", "cpu": "padded"}
+ATTENTION_IMPLS = ("auto", "reference", "splash")  # valid `ModelConfig.attention_impl` values
+SPLASH_SEQ_MULTIPLE = 128  # splash needs rows in whole blocks of a multiple of 128 keys (kernels/splash.py)
 EXPERT_AXIS = "expert"  # the mesh axis experts are sharded over (smelt_jax.sharding.MESH_AXES)
 
 
@@ -37,6 +47,43 @@ def expert_axis_size(mesh) -> int:
     return _axis_size(mesh, EXPERT_AXIS)
 
 
+def _platform(platform: str | None) -> str:
+    """'cpu', 'gpu' or 'tpu'; None = JAX's default backend."""
+    if platform is None:
+        import jax
+
+        platform = jax.default_backend()
+    return _PLATFORM_ALIASES.get(platform, platform)
+
+
+def choose_expert_exchange(requested: str, platform: str | None = None) -> str:
+    """'padded' or 'ragged' for `requested` (a name in EXPERT_EXCHANGES); only `auto` reads `platform`
+    ('cpu', 'gpu', 'tpu'; None = JAX's default backend)."""
+    if requested not in EXPERT_EXCHANGES:
+        raise ValueError(f"expert exchange {requested!r} not in {EXPERT_EXCHANGES}")
+    if requested != "auto":
+        return requested
+    return AUTO_EXCHANGE.get(_platform(platform), AUTO_EXCHANGE["cpu"])
+
+
+def choose_attention_backend(requested: str, platform: str | None = None, *, seq_len: int | None = None,
+                             full_forward: bool = True) -> str:
+    """'reference' or 'splash' for `requested` (a name in ATTENTION_IMPLS).
+
+    `auto` is 'splash' only on TPU, for a full forward (no KV cache, no captured probabilities) over rows
+    of `seq_len` keys, a multiple of SPLASH_SEQ_MULTIPLE. An explicit 'splash' is honoured for a full
+    forward (on CPU it runs in Pallas interpret mode: tests only); anything else is 'reference'.
+    """
+    if requested not in ATTENTION_IMPLS:
+        raise ValueError(f"attention impl {requested!r} not in {ATTENTION_IMPLS}")
+    if not full_forward:
+        return "reference"
+    if requested == "auto":
+        fits_blocks = seq_len is not None and seq_len % SPLASH_SEQ_MULTIPLE == 0
+        return "splash" if _platform(platform) == "tpu" and fits_blocks else "reference"
+    return requested
+
+
 def choose_expert_backend(requested: str, platform: str | None = None, mesh=None) -> str:
     """The backend that runs for `requested` (a name in EXPERT_IMPLS).
 
@@ -48,12 +95,7 @@ def choose_expert_backend(requested: str, platform: str | None = None, mesh=None
         raise ValueError(f"expert impl {requested!r} not in {EXPERT_IMPLS}")
     backend = requested
     if requested == "auto":
-        if platform is None:
-            import jax
-
-            platform = jax.default_backend()
-        platform = _PLATFORM_ALIASES.get(platform, platform)
-        backend = AUTO_BACKEND.get(platform, AUTO_BACKEND["cpu"])
+        backend = AUTO_BACKEND.get(_platform(platform), AUTO_BACKEND["cpu"])
     if backend in MOSAIC_BACKENDS and _gspmd_partitioned(mesh):
         return GSPMD_BACKEND
     return backend

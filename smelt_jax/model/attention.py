@@ -1,10 +1,15 @@
 """Grouped-query attention over packed rows with per-document (segment) masks.
 
 A query attends to a key only when both carry the same segment id and the key's slot (its index in
-the row, or in the KV cache) is not after the query's. RoPE uses per-document positions. The full
-[seq, keys] score matrix is computed and masked, so the attention matmuls cost
-4 * q_width * keys FLOPs per token and layer with keys = the row length (the cost-analysis test's
-convention; see docs/model.md).
+the row, or in the KV cache) is not after the query's. RoPE uses per-document positions.
+
+Two backends for the core, chosen by `kernels.backend.choose_attention_backend(cfg.attention_impl)`:
+- reference (`dot_product_attention`; CPU, GPU, decoding with a KV cache, captured probabilities, and the
+  test oracle): the full [seq, keys] score matrix is computed and masked, so the attention matmuls cost
+  4 * q_width * keys FLOPs per token and layer with keys = the row length (the cost-analysis test's
+  convention; see docs/model.md);
+- splash (TPU, full forward): Pallas splash attention (`kernels/splash.py`), which skips the key blocks
+  after each query block (about the causal half) and applies the segment ids inside the blocks it runs.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from smelt_jax.config import ModelConfig
+from smelt_jax.kernels.backend import choose_attention_backend
+from smelt_jax.kernels.splash import splash_attention
 from smelt_jax.model.rope import apply_rope
 from smelt_jax.sharding import constrain, param
 
@@ -105,14 +112,19 @@ class Attention(nnx.Module):
             key_segments = cache["segment_ids"]
             key_slots = jnp.arange(keys.shape[1], dtype=jnp.int32)
             query_slots = query_slots + index
-        mask = segment_causal_mask(segment_ids, key_segments, query_slots, key_slots)
-        q = q.reshape(b, s, cfg.n_kv_heads, group, cfg.head_dim)
-        out, probs = dot_product_attention(q, keys, values, mask)
-        pv = out.reshape(b, s, cfg.n_heads, cfg.head_dim)
+        backend = choose_attention_backend(cfg.attention_impl, seq_len=s,
+                                           full_forward=cache is None and not return_probs)
+        if backend == "splash":  # the same function, blocks after the diagonal skipped
+            pv = splash_attention(q, keys, values, segment_ids)
+        else:
+            mask = segment_causal_mask(segment_ids, key_segments, query_slots, key_slots)
+            out, probs = dot_product_attention(q.reshape(b, s, cfg.n_kv_heads, group, cfg.head_dim),
+                                               keys, values, mask)
+            pv = out.reshape(b, s, cfg.n_heads, cfg.head_dim)
         out = jnp.einsum("bshe,hed->bsd", pv, self.wo[...].astype(dtype))
         internals = {}
         if capture:  # a Python flag: without it the program has no extra outputs
-            internals = {"q": q.reshape(b, s, cfg.n_heads, cfg.head_dim), "k": k, "v": v, "pv": pv}
+            internals = {"q": q, "k": k, "v": v, "pv": pv}
             if return_probs:
                 internals["attn_probs"] = probs.reshape(b, cfg.n_heads, s, keys.shape[1])
         return out, new_cache, internals

@@ -14,8 +14,9 @@ the capacity decision (`Dispatch.kept`), the combine and the load statistics sta
    calls `smelt_jax.kernels.expert_ffn` on its E_l experts (empty slots are padding rows).
 3. Unsort, `all_to_all` back, gather each copy's output from (destination, slot).
 
-Two ways to move the buffers (`ModelConfig.expert_exchange`):
-- "padded" (default; runs everywhere): `all_to_all` of the whole [n, C, d] buffers. When E_l >= k,
+Two ways to move the buffers (`ModelConfig.expert_exchange`; its default "auto" is ragged on TPU/GPU and
+padded on CPU, decided by `kernels.backend.choose_expert_exchange`):
+- "padded" (runs everywhere): `all_to_all` of the whole [n, C, d] buffers. When E_l >= k,
   only 1/n of the rows carry a token (`buffer_fill`), so n times the necessary bytes cross the ICI.
 - "ragged": `jax.lax.ragged_all_to_all` sends only the filled prefix of each destination's block, into
   the same block layout on the receiver, so everything around the exchange is unchanged. XLA:CPU does

@@ -9,7 +9,8 @@
    through one of two strategies with one contract (tokens, Dispatch, weights -> y_copies [T, k, d]):
    - local (`model/expert_compute.py`): all experts in this program, GSPMD partitions it on a mesh;
    - expert-parallel (`model/expert_exchange.py`): when the mesh's `expert` axis is larger than 1,
-     experts sharded over it and token copies exchanged by all_to_all in a shard_map;
+     experts sharded over it and token copies exchanged by all_to_all in a shard_map (padded or ragged:
+     `kernels.backend.choose_expert_exchange(cfg.expert_exchange)`);
 4. combine with the router weights and the load statistics, here, for both strategies.
 """
 
@@ -20,7 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from smelt_jax.config import ModelConfig
-from smelt_jax.kernels.backend import choose_expert_backend, expert_axis_size
+from smelt_jax.kernels.backend import choose_expert_backend, choose_expert_exchange, expert_axis_size
 from smelt_jax.model.attention import INIT_STD, truncated_normal
 from smelt_jax.model.dispatch import Dispatch, dispatch, expert_capacity
 from smelt_jax.model.expert_compute import local_expert_outputs
@@ -80,8 +81,9 @@ class MoE(nnx.Module):
         backend = choose_expert_backend(cfg.expert_impl, mesh=mesh)
         weights = (self.w_gate[...], self.w_up[...], self.w_down[...])
         if expert_axis_size(mesh) > 1:
-            y_copies = exchanged_expert_outputs(tokens, plan, *weights, backend=backend,
-                                                ragged=cfg.expert_exchange == "ragged", mesh=mesh)
+            ragged = choose_expert_exchange(cfg.expert_exchange) == "ragged"
+            y_copies = exchanged_expert_outputs(tokens, plan, *weights, backend=backend, ragged=ragged,
+                                                mesh=mesh)
         else:
             y_copies = local_expert_outputs(tokens, plan, *weights, backend=backend)
         y = combine(y_copies, routing.weights)
