@@ -51,8 +51,8 @@ fits: $(STAMP)  ## regenerate every fit, table and figure under fits/
 notebooks: $(STAMP)  ## execute every notebook on the committed results
 	$(PY) -m smelt_jax.notebooks_runner notebooks
 
-compile-report: $(STAMP) $(TPU_STAMP)  ## AOT-compile smelt16 for TPU slices; writes docs/parallelism.md
-	$(PY) -m smelt_jax compile-report --out docs/parallelism.md $(if $(BUDGET),--time-budget $(BUDGET))
+compile-report: $(STAMP) $(TPU_STAMP)  ## AOT-compile smelt16 for TPU slices; writes docs/parallelism.md and the pair costs of docs/tpu-quickstart.md
+	$(PY) -m smelt_jax compile-report --out docs/parallelism.md --costs-out docs/tpu-quickstart.md $(if $(BUDGET),--time-budget $(BUDGET))
 
 clean:  ## remove caches (keeps .venv)
 	rm -rf .pytest_cache .ruff_cache build dist *.egg-info

@@ -97,7 +97,12 @@ def step_flops_per_token(cfg) -> float:
 
 def issue_config(**changes):
     from smelt_jax.config import ModelConfig
-    return ModelConfig(**SHAPES, seq_len=SEQ, **changes)
+    return ModelConfig(**{**SHAPES, **changes}, seq_len=SEQ)
+
+
+def executed_layers(loop: dict) -> int:
+    """Layers a looped issue-shape model executes: its n_layers with the loop span run loop_repeats times."""
+    return issue_config(**loop).executed_layers
 
 
 def peer_available() -> tuple[bool, str]:
@@ -247,9 +252,14 @@ def build_candidates(log=_log) -> tuple[list[Candidate], list[str]]:
         log(f"  built {label} in {cand.setup_s:.1f} s {cand.error}")
     looped = our_candidate("loop", "looped (layers 1-2 twice, 6 executed)", issue_config(**LOOP), BATCH,
                            "expert_impl auto")
+    # The looped model's executed layers without the loop: 6 physical layers, the same executed FLOPs,
+    # so looped / this isolates what the loop itself costs (scan nesting, weight-gradient accumulation).
+    unrolled = our_candidate("loop", f"unlooped, {executed_layers(LOOP)} layers", issue_config(
+        n_layers=executed_layers(LOOP)), BATCH, "expert_impl auto")
     auto_at = next((i for i, c in enumerate(cands) if "`auto`" in c.name), len(cands) - 1)
-    cands.insert(auto_at + 1, looped)  # timed right after the unlooped `auto` step of each round
-    log(f"  built looped in {looped.setup_s:.1f} s {looped.error}")
+    cands[auto_at + 1:auto_at + 1] = [looped, unrolled]  # timed right after the unlooped `auto` step
+    log(f"  built looped in {looped.setup_s:.1f} s {looped.error}; unrolled in {unrolled.setup_s:.1f} s "
+        f"{unrolled.error}")
     for spec in experiments.load_suite("micro"):
         if (spec.scale, spec.sparsity_label) == MICRO_PAIR and spec.arch in ("baseline", "smelt"):
             cand = our_candidate("micro", spec.id, spec.model, spec.schedule.batch_size,
@@ -304,7 +314,8 @@ def tables(cands: list[Candidate], notes: list[str], header: str) -> str:
         out.append(f"| {c.name} | {c.median_s:.3f} | {c.min_s:.3f} | {c.tokens_per_s:,.0f} | {c.gflops:.1f} | {vs_ref} "
                    f"| {vs_best} | {c.setup_s:.1f} |")
     unlooped = next((c for c in cands if c.group == "peer table" and "`auto`" in c.name), None)
-    looped = next((c for c in cands if c.group == "loop"), None)
+    looped = next((c for c in cands if c.group == "loop" and c.name.startswith("looped")), None)
+    unrolled = next((c for c in cands if c.group == "loop" and c.name.startswith("unlooped")), None)
     out.append("\n**Loop overhead** at the same shapes, `expert_impl` auto (deliverable 3: measured only).\n")
     out.append("Step-time ratio = median over rounds of looped / unlooped (timed back to back in each round); "
                "the ratio of the min step times is given too.\n")
@@ -319,6 +330,15 @@ def tables(cands: list[Candidate], notes: list[str], header: str) -> str:
                    f"{f:.2f} | {t / f:.2f} | {f0:.2f} | {t / f0:.2f} |")
     else:
         out.append(f"| looped / unlooped | failed: {(looped.error if looped else '')} | | | | | | | |")
+    if unrolled and looped and unrolled.times and looped.times:
+        t, f = paired_ratio(looped, unrolled), looped.flops_per_token / unrolled.flops_per_token
+        f0 = _budget_flops(looped) / _budget_flops(unrolled)
+        out.append(f"| 1+2x2+1 looped / {unrolled.cfg.n_layers}-layer (same executed layers) | "
+                   f"{looped.median_s:.3f} / {unrolled.median_s:.3f} | {looped.min_s:.3f} / {unrolled.min_s:.3f} | "
+                   f"{t:.2f} | {looped.min_s / unrolled.min_s:.2f} | {f:.2f} | {t / f:.2f} | {f0:.2f} | {t / f0:.2f} |")
+    elif unrolled:
+        out.append(f"| looped / unrolled | failed: {unrolled.error or (looped.error if looped else '')} "
+                   "| | | | | | | |")
     micro = {c.note: c for c in cands if c.group == "micro"}
     out.append(f"\n**Matched micro pair** (`micro-{MICRO_PAIR[0]}-{MICRO_PAIR[1]}`, the runs' own "
                "configs and batch shapes, random tokens).\n")

@@ -22,8 +22,10 @@ SCALE, LABEL, EXPERTS = "200m", "s85", 64
 def _run(variant: str, model: ModelConfig, reference: ModelConfig, control: ModelConfig,
          sweep: str) -> RunSpec:
     arch = "looped" if model.is_looped else "baseline"
-    return RunSpec(suite=SUITE, scale=SCALE, sparsity_label=LABEL, arch=arch, model=model,
-                   schedule=smelt16.schedule(SCALE), control=control,
+    dtype = smelt16.COMPUTE_DTYPE  # as smelt16 computes: its 200M S85 Baseline is this suite's reference
+    return RunSpec(suite=SUITE, scale=SCALE, sparsity_label=LABEL, arch=arch,
+                   model=model.replace(compute_dtype=dtype), schedule=smelt16.schedule(SCALE),
+                   control=control.replace(compute_dtype=dtype),
                    pair_id=f"{SUITE}-{sweep}", variant=variant, tokenizer=smelt16.TOKENIZER)
 
 

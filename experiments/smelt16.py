@@ -22,7 +22,8 @@ VOCAB = 65_536  # not published; a 64k BPE vocabulary (embeddings are outside ev
 TOKENIZER = "hf"
 SEQ_LEN = 4096
 # The suite's runs compute in bf16 (float32 parameters, optimizer state, router, softmax and norm
-# statistics); applied in `build` only, so suites built from `baseline_config` keep their own dtype.
+# statistics); applied in `build` (and by ablations200m, whose reference is this suite's 200M S85
+# Baseline), not in `baseline_config`, whose configs the matcher compares.
 COMPUTE_DTYPE = "bfloat16"
 
 # scale -> (d_model, n_layers, n_heads, head_dim, n_kv_heads, expert_ffn): docs/budget.md.

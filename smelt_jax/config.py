@@ -235,6 +235,11 @@ class Schedule:
     def tokens_per_step(self) -> int:
         return self.batch_size * self.seq_len
 
+    @property
+    def executed_steps(self) -> int:
+        """Optimizer steps a run executes in all: its stable phase and every decay branch."""
+        return self.stable_steps + len(self.fork_steps) * self.decay_steps
+
     def branch_end_step(self, branch: int) -> int:
         return self.fork_steps[branch] + self.decay_steps
 

@@ -19,7 +19,8 @@ def test_overrides_reach_model_and_schedule_and_change_the_id():
 def test_a_field_left_out_of_to_dict_can_still_be_overridden():
     run = apply_overrides(RUN, ["model.expert_exchange=ragged"])
     assert run.model.expert_exchange == "ragged" and run.id != RUN.id
-    assert apply_overrides(RUN, ["expert_exchange=padded"]).id == RUN.id  # the default: same run
+    assert apply_overrides(RUN, ["expert_exchange=auto"]).id == RUN.id  # the default: same run
+    assert apply_overrides(RUN, ["expert_exchange=padded"]).id != RUN.id  # explicit: part of the id
 
 
 @pytest.mark.parametrize("item,message", [

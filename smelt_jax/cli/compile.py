@@ -57,6 +57,7 @@ def cmd_compile_report(args) -> int:
         only=args.only or (), time_budget=args.time_budget, cached_only=args.cached_only,
         cache_dir=Path(args.cache_dir) if args.cache_dir else ls.CACHE_DIR,
         markdown_out=Path(args.out) if args.out else None, json_out=Path(json_out) if json_out else None,
+        costs_out=Path(args.costs_out) if args.costs_out else None,
         log=lambda line: print(line, file=sys.stderr, flush=True))
     print(report.summary())
     return 0
@@ -70,6 +71,8 @@ def register_report(subparsers) -> None:
                     "data_cache/compile_report/, so an interrupted report resumes where it stopped.")
     p.add_argument("--suite", default="smelt16", help="smelt16 (default) or ablations200m")
     p.add_argument("--out", help="markdown file whose generated table section is (re)written")
+    p.add_argument("--costs-out", help="markdown file whose generated pair-cost section (chip-hours of each "
+                                       "Baseline/SMELT pair at the roofline steps) is (re)written")
     p.add_argument("--json-out", default=None,
                    help="layouts file (default: the suite's, experiments/layouts.json for smelt16, "
                         "experiments/layouts_SUITE.json otherwise); '' to skip")

@@ -36,6 +36,9 @@ from smelt_jax.compile.report import (
 from smelt_jax.descriptors import Parallelism, RunSpec, content_hash
 from smelt_jax.errors import UsageError
 from smelt_jax.hardware import parse_slice
+from smelt_jax.compile.pair_cost import BEGIN as COST_BEGIN
+from smelt_jax.compile.pair_cost import END as COST_END
+from smelt_jax.compile.pair_cost import cost_table
 from smelt_jax.parallel.layout import run_key
 from smelt_jax.paths import checkout_root
 
@@ -292,12 +295,12 @@ BEGIN = "<!-- compile-report:begin (generated; edit smelt_jax/compile/layout_sea
 END = "<!-- compile-report:end -->"
 
 
-def replace_generated(doc: str, generated: str) -> str:
-    """`doc` with the text between BEGIN and END replaced (both appended at the end when absent)."""
-    block = f"{BEGIN}\n{generated}{END}"
-    if BEGIN in doc and END in doc:
-        head, rest = doc.split(BEGIN, 1)
-        _, tail = rest.split(END, 1)
+def replace_generated(doc: str, generated: str, begin: str = BEGIN, end: str = END) -> str:
+    """`doc` with the text between `begin` and `end` replaced (both appended at the end when absent)."""
+    block = f"{begin}\n{generated}{end}"
+    if begin in doc and end in doc:
+        head, rest = doc.split(begin, 1)
+        _, tail = rest.split(end, 1)
         return head + block + tail
     return doc.rstrip("\n") + "\n\n" + block + "\n"
 
@@ -319,7 +322,7 @@ class SuiteReport:
 def compile_suite(runs: Sequence[RunSpec], policy: SearchPolicy, *, suite: str,
                   only: Iterable[str] = (), time_budget: float | None = None, cached_only: bool = False,
                   cache_dir: Path = CACHE_DIR, markdown_out: Path | None = None,
-                  json_out: Path | None = None, command: str | None = None,
+                  json_out: Path | None = None, costs_out: Path | None = None, command: str | None = None,
                   compile_fn: Callable[..., CompileReport] | None = None,
                   trace_fn: Callable[..., Any] | None = None,
                   libtpu: tuple[bool, str] | None = None,
@@ -330,7 +333,8 @@ def compile_suite(runs: Sequence[RunSpec], policy: SearchPolicy, *, suite: str,
     reported 'not compiled (why)') when libtpu is unavailable, with `cached_only`, for a configuration
     outside `only` (scales or layout keys), or once `time_budget` seconds have passed. Reports cached
     before program FLOPs and collectives were recorded get them (`complete_analysis`). Writes the
-    markdown table section of `markdown_out` and the layouts file `json_out` when given.
+    markdown table section of `markdown_out`, the layouts file `json_out` and the pair-cost section of
+    `costs_out` (`compile.pair_cost`) when given.
     """
     from smelt_jax.compile import aot, report
 
@@ -369,8 +373,15 @@ def compile_suite(runs: Sequence[RunSpec], policy: SearchPolicy, *, suite: str,
     if markdown_out:
         out = Path(markdown_out)
         doc = out.read_text() if out.exists() else "# Parallelism\n"
-        command = command or f"smelt compile-report --suite {suite} --out {markdown_out}"
+        command = command or (f"smelt compile-report --suite {suite} --out {markdown_out}"
+                              + (f" --costs-out {costs_out}" if costs_out else ""))
         out.write_text(replace_generated(doc, render_table(in_order, command)))
+        log(f"wrote {out}")
+        written.append(out)
+    if costs_out:
+        out = Path(costs_out)
+        out.write_text(replace_generated(out.read_text() if out.exists() else "", cost_table(runs, in_order),
+                                         COST_BEGIN, COST_END))
         log(f"wrote {out}")
         written.append(out)
     if json_out:

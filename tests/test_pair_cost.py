@@ -1,0 +1,69 @@
+"""Pair costs in chip-hours from the compile report (smelt_jax/compile/pair_cost.py) and the generated
+table of docs/tpu-quickstart.md."""
+
+import re
+
+import pytest
+
+import experiments
+from smelt_jax.compile import layout_search as ls
+from smelt_jax.compile import pair_cost
+from smelt_jax.compile import report as cr
+from smelt_jax.paths import checkout_root
+
+SMELT16 = experiments.load_suite("smelt16")
+QUICKSTART = checkout_root() / "docs" / "tpu-quickstart.md"
+
+
+def _result(run, step, slice_name="v5p-128", status="fits"):
+    report = cr.CompileReport(run_id=run.id, slice=slice_name, layout={}, remat="none", expert_impl="pallas",
+                              peak_fits_hbm=status == "fits", error=None, compile_seconds=1.0,
+                              argument_bytes=0, output_bytes=0, temp_bytes=0, peak_bytes=0, hbm_bytes=1,
+                              compiled_flops=0.0, budget_flops=0.0, optimal_seconds=-1.0, collectives={},
+                              step_seconds=step)
+    return ls.SearchResult(key="", run_id=run.id, slice=slice_name, chosen=None, report=report, tried=(),
+                           status=status)
+
+
+def _pair(scale, label):
+    return [next(r for r in SMELT16 if (r.scale, r.sparsity_label, r.arch) == (scale, label, arch))
+            for arch in ("baseline", "smelt")]
+
+
+def test_a_run_executes_its_stable_phase_and_every_branch():
+    schedule = _pair("200m", "s97")[0].schedule
+    assert schedule.executed_steps == 196_075 + 6 * 9_537 == 253_297  # docs/tpu-quickstart.md section 0
+
+
+def test_chip_hours_of_a_run_and_of_what_did_not_fit():
+    baseline, smelt = _pair("200m", "s97")
+    assert pair_cost.chip_hours(baseline, _result(baseline, 0.5)) == pytest.approx(0.5 * 253_297 * 64 / 3600)
+    assert pair_cost.chip_hours(smelt, _result(smelt, 0.5, "v5p-512")) == pytest.approx(0.5 * 253_297 * 256 / 3600)
+    assert pair_cost.chip_hours(smelt, _result(smelt, 0.5, status="does not fit")) is None
+    assert pair_cost.chip_hours(smelt, _result(smelt, None)) is None  # no roofline: no cost claimed
+
+
+def test_cost_table_rows_and_total_count_only_whole_pairs():
+    (b1, s1), (b2, s2) = _pair("100m", "s0"), _pair("200m", "s85")
+    table = pair_cost.cost_table([b1, s1, b2, s2], [_result(b1, 0.1), _result(s1, 0.3), _result(b2, 0.2),
+                                                    _result(s2, 0.4, status="not compiled (budget)")])
+    hours = (0.1 + 0.3) * 253_297 * 64 / 3600
+    assert f"| 100M S0 | v5p-128 (64) | 0.10 / 0.30 | {hours:,.0f} |" in table
+    assert "| 200M S85 | v5p-128 (64) | - | - (smelt: not compiled (budget)) |" in table
+    assert f"| **all (1 of 2 pairs)** | | | **{hours:,.0f}** |" in table
+
+
+def test_the_quickstart_table_is_the_formula_of_its_own_steps():
+    """Each generated row's chip-hours is (Baseline + SMELT step) x 253,297 x chips / 3600 (up to the
+    steps' rounding to 0.01 s), and the total is the rows' sum."""
+    doc = QUICKSTART.read_text()
+    assert doc.count(pair_cost.BEGIN) == 1 and doc.count(pair_cost.END) == 1
+    section = doc.split(pair_cost.BEGIN)[1].split(pair_cost.END)[0]
+    rows = re.findall(r"^\| (\S+ S\d+) \| \S+ \((\d+)\) \| ([\d.]+) / ([\d.]+) \| ([\d,]+) \|$", section, re.M)
+    assert len(rows) == 16, section
+    for name, chips, b, s, hours in rows:
+        per_step = 253_297 * int(chips) / 3600
+        assert abs(float(hours.replace(",", "")) - (float(b) + float(s)) * per_step) <= 0.01 * per_step + 1, name
+    total = re.search(r"\| \*\*all\*\* \| \| \| \*\*([\d,]+)\*\* \|", section)
+    assert total, section
+    assert abs(int(total.group(1).replace(",", "")) - sum(int(h.replace(",", "")) for *_, h in rows)) <= 16
