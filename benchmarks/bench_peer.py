@@ -293,6 +293,18 @@ def paired_ratio(num: Candidate, den: Candidate, steps: int = STEPS) -> float:
     return statistics.median(a / b for a, b in zip(num.round_medians(steps), den.round_medians(steps)))
 
 
+def _loop_row(label: str, looped: Candidate | None, den: Candidate | None) -> str:
+    """One loop-overhead row: looped against `den`, time ratio against executed-FLOP ratio (with and
+    without the unembedding)."""
+    if not (looped and den and looped.times and den.times):
+        why = (den.error if den else "") or (looped.error if looped else "") or "not run"
+        return f"| {label} | failed: {why} | | | | | | | |"
+    t, f = paired_ratio(looped, den), looped.flops_per_token / den.flops_per_token
+    f0 = _budget_flops(looped) / _budget_flops(den)
+    return (f"| {label} | {looped.median_s:.3f} / {den.median_s:.3f} | {looped.min_s:.3f} / {den.min_s:.3f} | "
+            f"{t:.2f} | {looped.min_s / den.min_s:.2f} | {f:.2f} | {t / f:.2f} | {f0:.2f} | {t / f0:.2f} |")
+
+
 def _fmt_ratio(x: float) -> str:
     return f"{x:.2f}x"
 
@@ -322,23 +334,9 @@ def tables(cands: list[Candidate], notes: list[str], header: str) -> str:
     out.append("| pair | step s median (looped / unlooped) | step s min | step-time ratio | ratio of mins | "
                "executed-FLOP ratio | time ratio / FLOP ratio | FLOP ratio without unembedding | "
                "time / that |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    if unlooped and looped and unlooped.times and looped.times:
-        t, f = paired_ratio(looped, unlooped), looped.flops_per_token / unlooped.flops_per_token
-        f0 = _budget_flops(looped) / _budget_flops(unlooped)
-        out.append(f"| 1+2x2+1 looped / 4-layer | {looped.median_s:.3f} / {unlooped.median_s:.3f} | "
-                   f"{looped.min_s:.3f} / {unlooped.min_s:.3f} | {t:.2f} | {looped.min_s / unlooped.min_s:.2f} | "
-                   f"{f:.2f} | {t / f:.2f} | {f0:.2f} | {t / f0:.2f} |")
-    else:
-        out.append(f"| looped / unlooped | failed: {(looped.error if looped else '')} | | | | | | | |")
-    if unrolled and looped and unrolled.times and looped.times:
-        t, f = paired_ratio(looped, unrolled), looped.flops_per_token / unrolled.flops_per_token
-        f0 = _budget_flops(looped) / _budget_flops(unrolled)
-        out.append(f"| 1+2x2+1 looped / {unrolled.cfg.n_layers}-layer (same executed layers) | "
-                   f"{looped.median_s:.3f} / {unrolled.median_s:.3f} | {looped.min_s:.3f} / {unrolled.min_s:.3f} | "
-                   f"{t:.2f} | {looped.min_s / unrolled.min_s:.2f} | {f:.2f} | {t / f:.2f} | {f0:.2f} | {t / f0:.2f} |")
-    elif unrolled:
-        out.append(f"| looped / unrolled | failed: {unrolled.error or (looped.error if looped else '')} "
-                   "| | | | | | | |")
+    for label, den in (("1+2x2+1 looped / 4-layer", unlooped),
+                       (f"1+2x2+1 looped / {executed_layers(LOOP)}-layer (same executed layers)", unrolled)):
+        out.append(_loop_row(label, looped, den))
     micro = {c.note: c for c in cands if c.group == "micro"}
     out.append(f"\n**Matched micro pair** (`micro-{MICRO_PAIR[0]}-{MICRO_PAIR[1]}`, the runs' own "
                "configs and batch shapes, random tokens).\n")

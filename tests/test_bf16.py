@@ -71,7 +71,7 @@ def test_bf16_matmuls_with_float32_statistics_loss_and_gradients():
     for name in FLOAT32_ONLY:
         assert found.get(name, {"float32"}) == {"float32"}, (name, found.get(name))
     assert {"exp", "log", "rsqrt"} <= set(found)  # the check above saw the softmaxes, loss and norms
-    value, grads = jax.value_and_grad(loss)(params)
+    value, grads = jax.jit(jax.value_and_grad(loss))(params)
     assert value.dtype == jnp.float32 and np.isfinite(float(value))
     assert {leaf.dtype for leaf in jax.tree.leaves(params)} == {jnp.dtype(jnp.float32)}
     assert {leaf.dtype for leaf in jax.tree.leaves(grads)} == {jnp.dtype(jnp.float32)}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-DEMO_MINUTES = "about 7 minutes on 2 cores"
+DEMO_MINUTES = "about 10 minutes on 2 cores"
 
 
 def cmd_demo(args) -> int:
