@@ -53,8 +53,8 @@ def cost_table(runs: Sequence[RunSpec], results: Sequence) -> str:
         chips = parse_slice(b_res.slice).chips
         slices = b_res.slice if b_res.slice == s_res.slice else f"{b_res.slice} / {s_res.slice}"
         if None in hours:
-            missing = [f"{r.arch}: {res.status}" for r, res in ((b_run, b_res), (s_run, s_res))
-                       if chip_hours(r, res) is None]
+            missing = [f"{r.arch}: {res.status}" for (r, res), h in zip(((b_run, b_res), (s_run, s_res)), hours)
+                       if h is None]
             lines.append(f"| {_pair_label(b_run)} | {slices} ({chips}) | - | - ({'; '.join(missing)}) |")
             continue
         total += sum(hours)
