@@ -2,7 +2,8 @@
 
 Suites: `smelt16` (the paper's 16 matched pairs), `ablations200m` (loop span, depth, loop count),
 `micro` (the same structure, shrunk to train on a 2-core CPU), `ablationsmicro` (the ablations at micro
-scale) and `smoke` (a subset of `micro`).
+scale), `smoke` (a subset of `micro`), `nano` (one sparsity, widths and tokens chosen so the law can be
+identified on a CPU) and `nanolr` (its learning-rate sweep).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from smelt_jax.errors import UnknownName
 # (with its traceback), never an "unknown suite".
 _BUILDERS = {"smelt16": ("smelt16", "build"), "ablations200m": ("ablations200m", "build"),
              "micro": ("micro", "build"), "ablationsmicro": ("ablationsmicro", "build"),
-             "smoke": ("micro", "build_smoke")}
+             "smoke": ("micro", "build_smoke"), "nano": ("nano", "build"),
+             "nanolr": ("nano", "build_lr_sweep")}
 SUITE_NAMES = tuple(_BUILDERS)
 
 

@@ -46,14 +46,15 @@ def content_hash(obj: Any, length: int = 8) -> str:
 
 
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
-# Fields added after run ids were first published: left out of `to_dict` (and so of every content hash)
-# while they hold these defaults, so existing run ids, cache keys and golden files stay valid. Both are
-# execution choices resolved by platform (kernels/backend.py); an explicit value is hashed.
+# Fields added after the first spec files were written: left out of `to_dict` while they hold these
+# defaults, so older spec files, layout-cache keys and golden files read the same.
 _OMITTED_WHEN_DEFAULT = {"expert_exchange": "auto", "attention_impl": "auto"}
-# Fields moved out of ModelConfig after run ids were published, with the value every published id hashed.
-# `identity()` adds them back, so ids and cache keys stay valid; `from_dict` drops them from old spec
-# files. `remat` is an execution choice and lives with the layout (`descriptors.Parallelism.remat`).
-_RETIRED_FIELDS = {"remat": "none"}
+# How a model is executed, not what it computes: every backend is tested equal to the reference
+# (kernels/backend.py resolves "auto" by platform), so none of these enters a run id (`identity`).
+EXECUTION_FIELDS = ("expert_impl", "expert_exchange", "attention_impl")
+# Fields moved out of ModelConfig: `from_dict` drops them from old spec files. `remat` is an execution
+# choice and lives with the layout (`descriptors.Parallelism.remat`).
+_RETIRED_FIELDS = ("remat",)
 DTYPES = ("float32", "bfloat16")
 
 
@@ -170,8 +171,8 @@ class ModelConfig:
         return out
 
     def identity(self) -> dict[str, Any]:
-        """What run ids hash: `to_dict()` plus the retired fields at their published values."""
-        return {**self.to_dict(), **_RETIRED_FIELDS}
+        """What run ids hash: every field that decides the numbers (all but EXECUTION_FIELDS)."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in EXECUTION_FIELDS}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
@@ -196,7 +197,9 @@ class Schedule:
     """A warmup-stable-decay run and the cosine-decay branches that fork from it.
 
     The stable run holds `peak_lr` after `warmup_steps` until `stable_steps`; branch k forks at
-    `fork_steps[k]` and decays (cosine, to `peak_lr * final_lr_fraction`) over `decay_steps`.
+    `fork_steps[k]` and decays (cosine, to `peak_lr * final_lr_fraction`) over `decay_steps`, or, when
+    `decay_fraction` f > 0, over f of its own horizon: round(fork * f / (1 - f)) steps, at least 1
+    (`branch_decay_steps`).
     """
 
     batch_size: int
@@ -213,12 +216,18 @@ class Schedule:
     adam_eps: float = 1e-8
     grad_clip: float = 1.0
     seed: int = 0
+    decay_fraction: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("batch_size", "seq_len", "stable_steps", "decay_steps"):
+        for name in ("batch_size", "seq_len", "stable_steps"):
             value = getattr(self, name)
             _require(isinstance(value, int) and value > 0,
                      f"Schedule.{name} must be a positive integer, got {value!r}")
+        _require(isinstance(self.decay_steps, int) and self.decay_steps >= 0,
+                 f"Schedule.decay_steps must be a non-negative integer, got {self.decay_steps!r}")
+        _require((self.decay_steps > 0) != (self.decay_fraction > 0),
+                 "Schedule needs exactly one of decay_steps > 0 (a fixed decay) and decay_fraction > 0 "
+                 f"(a share of each branch's horizon); got {self.decay_steps} and {self.decay_fraction}")
         _require(isinstance(self.warmup_steps, int) and 0 <= self.warmup_steps <= self.stable_steps,
                  f"warmup_steps ({self.warmup_steps}) must lie in 0..stable_steps")
         _require(len(self.fork_steps) > 0, "Schedule needs at least one fork step")
@@ -230,6 +239,7 @@ class Schedule:
         _require(0 <= self.final_lr_fraction <= 1, "final_lr_fraction must lie in [0, 1]")
         _require(0 <= self.adam_b1 < 1 and 0 <= self.adam_b2 < 1, "Adam betas must lie in [0, 1)")
         _require(self.grad_clip > 0 and self.weight_decay >= 0, "bad grad_clip or weight_decay")
+        _require(0 <= self.decay_fraction < 1, f"decay_fraction must lie in [0, 1), got {self.decay_fraction}")
 
     @property
     def tokens_per_step(self) -> int:
@@ -238,10 +248,17 @@ class Schedule:
     @property
     def executed_steps(self) -> int:
         """Optimizer steps a run executes in all: its stable phase and every decay branch."""
-        return self.stable_steps + len(self.fork_steps) * self.decay_steps
+        return self.stable_steps + sum(map(self.branch_decay_steps, range(len(self.fork_steps))))
+
+    def branch_decay_steps(self, branch: int) -> int:
+        """Steps of branch `branch`'s decay: `decay_steps`, or `decay_fraction` of its horizon."""
+        if not self.decay_fraction:
+            return self.decay_steps
+        f = self.decay_fraction
+        return max(1, round(self.fork_steps[branch] * f / (1 - f)))
 
     def branch_end_step(self, branch: int) -> int:
-        return self.fork_steps[branch] + self.decay_steps
+        return self.fork_steps[branch] + self.branch_decay_steps(branch)
 
     def branch_tokens(self, branch: int) -> int:
         """Training tokens D seen by the endpoint of branch `branch`."""
@@ -257,6 +274,8 @@ class Schedule:
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out["fork_steps"] = list(self.fork_steps)
+        if not self.decay_fraction:  # added after run ids were published: absent at its default
+            del out["decay_fraction"]
         return out
 
     @classmethod

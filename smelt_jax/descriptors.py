@@ -54,8 +54,8 @@ class RunSpec:
     pair_id: str
     variant: str = ""  # ablation coordinate, e.g. "span4", "r3", "l15"
     parallelism: Parallelism = Parallelism()
-    # The tokenizer its data must come from (TOKENIZER_KINDS). Not part of the id, like the data itself:
-    # the id covers the vocabulary (model.vocab), and `check_data` refuses data of another tokenizer.
+    # The tokenizer its data must come from (TOKENIZER_KINDS), part of the id with the vocabulary
+    # (model.vocab); `check_data` refuses data of another tokenizer.
     tokenizer: str = ""
 
     def __post_init__(self) -> None:
@@ -86,9 +86,10 @@ class RunSpec:
 
     @property
     def content_hash(self) -> str:
+        """What decides the numbers: model (compute dtype included), schedule (seed included), control
+        and the kind of data (`tokenizer`). Not the layout: a mesh or remat change keeps the id."""
         return content_hash({"model": self.model.identity(), "schedule": self.schedule.to_dict(),
-                             "control": self.control.identity(),
-                             "parallelism": self.parallelism.to_dict()})
+                             "control": self.control.identity(), "tokenizer": self.tokenizer})
 
     @property
     def id(self) -> str:

@@ -137,7 +137,9 @@ def test_every_suite_lists_as_before(capsys):
     """Run ids and descriptors of every suite are unchanged: `smelt experiments list --json` for all
     suites against the listing taken before the restructuring of issue 13 (tests/golden/). Changed on
     purpose since: smelt16 and ablations200m compute in bf16 and smelt16 carries the layouts compiled
-    with the TPU defaults of issue 17 (fields `id`, `compute_dtype`, `parallelism.remat`)."""
+    with the TPU defaults of issue 17 (fields `id`, `compute_dtype`, `parallelism.remat`); every id
+    changed once when ids stopped hashing the layout and started hashing the tokenizer kind (issue 24);
+    the `nanolr` suite was added (issue 25)."""
     assert cli_main(["experiments", "list", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     golden = json.loads(GOLDEN_LIST.read_text())
@@ -197,3 +199,27 @@ def test_compare_pair_gives_the_numbers_smelt_match_prints():
     assert comparison.paper[1]["paper_flops_ratio"] == 1.031 and comparison.paper[1]["flops_ratio"] == flops
     micro = compare_pair(_pairs("micro")["micro-s-s85"]["baseline"], experiments.load_suite("micro"))
     assert micro.paper == ()  # Appendix A describes smelt16 only
+
+
+def test_a_layout_change_keeps_every_id():
+    """Run ids hash what decides the numbers, not the mesh or remat (issue 24): every smelt16 run under
+    two other layouts, and with execution choices (expert backend, exchange, attention) changed, keeps
+    its id; a change of the seed, the compute dtype or the tokenizer kind changes it."""
+    import dataclasses
+
+    from smelt_jax.descriptors import Parallelism
+
+    layouts = (Parallelism(data=-1, fsdp=4, expert=2, tensor=1, tpu_type="v5p-64", remat="full"),
+               Parallelism(data=2, fsdp=2, expert=8, tensor=2, tpu_type="v6e-64", remat="dots"))
+    runs = experiments.load_suite("smelt16")
+    for run in runs:
+        for layout in layouts:
+            assert layout != run.parallelism
+            assert dataclasses.replace(run, parallelism=layout).id == run.id
+        executed = run.model.replace(expert_impl="dense", expert_exchange="padded", attention_impl="reference")
+        assert dataclasses.replace(run, model=executed).id == run.id
+    run = runs[0]
+    changed = [dataclasses.replace(run, schedule=run.schedule.replace(seed=1)),
+               dataclasses.replace(run, model=run.model.replace(compute_dtype="float32")),
+               dataclasses.replace(run, tokenizer="bytes")]
+    assert len({run.id, *(other.id for other in changed)}) == 4

@@ -21,8 +21,8 @@ def learning_rate(schedule: Schedule, step: int, branch: int | None = None) -> f
     """LR for the update taken at global `step` (0-based).
 
     Linear warmup to `peak_lr` over `warmup_steps`, then constant. On branch k, from its fork step a
-    cosine from `peak_lr` to `peak_lr * final_lr_fraction` over `decay_steps` (the last update
-    lands on the final value).
+    cosine from `peak_lr` to `peak_lr * final_lr_fraction` over the branch's decay steps
+    (`Schedule.branch_decay_steps`; the last update lands on the final value).
     """
     first, end = phase_steps(schedule, branch)
     if not first <= step < end:
@@ -31,6 +31,6 @@ def learning_rate(schedule: Schedule, step: int, branch: int | None = None) -> f
         return schedule.peak_lr * (step + 1) / schedule.warmup_steps
     if branch is None:
         return schedule.peak_lr
-    progress = (step - first + 1) / schedule.decay_steps
+    progress = (step - first + 1) / (end - first)
     low = schedule.peak_lr * schedule.final_lr_fraction
     return low + 0.5 * (schedule.peak_lr - low) * (1.0 + math.cos(math.pi * progress))

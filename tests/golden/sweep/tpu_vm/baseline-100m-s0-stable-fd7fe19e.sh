@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# baseline-100m-s0-stable-54786b00: smelt16-100m-s0-baseline-6c8f3360 stable on v5p-128 (16 hosts); retries on preemption.
+# baseline-100m-s0-stable-fd7fe19e: smelt16-100m-s0-baseline-55184b07 stable on v5p-128 (16 hosts); retries on preemption.
 # Checkpoints and results: gs://smelt-bucket/smelt/runs
 set -uo pipefail
-QR=baseline-100m-s0-stable-54786b00
+QR=baseline-100m-s0-stable-fd7fe19e
 MAX_RESTARTS=20
 POLL_SECONDS=${SMELT_POLL_SECONDS:-60}
 
@@ -20,7 +20,7 @@ ensure_active() {  # 0 once the slice is ACTIVE, 1 if it failed or was preempted
     FAILED|SUSPENDED) delete_slice ;;
   esac
   if [ "$(state)" = MISSING ]; then
-    gcloud compute tpus queued-resources create baseline-100m-s0-stable-54786b00 --node-id=baseline-100m-s0-stable-54786b00 --project=smelt-proj --zone=us-east5-a --accelerator-type=v5p-128 --runtime-version=v2-alpha-tpuv5 --spot || return 1
+    gcloud compute tpus queued-resources create baseline-100m-s0-stable-fd7fe19e --node-id=baseline-100m-s0-stable-fd7fe19e --project=smelt-proj --zone=us-east5-a --accelerator-type=v5p-128 --runtime-version=v2-alpha-tpuv5 --spot || return 1
   fi
   while true; do
     case "$(state)" in
@@ -34,7 +34,7 @@ ensure_active() {  # 0 once the slice is ACTIVE, 1 if it failed or was preempted
 attempt=0
 while true; do
   if ensure_active; then
-    gcloud compute tpus tpu-vm ssh baseline-100m-s0-stable-54786b00 --project=smelt-proj --zone=us-east5-a --worker=all '--command=sudo gcloud auth configure-docker us-docker.pkg.dev --quiet && sudo docker run --rm --privileged --net=host -e SMELT_RUNS_DIR=gs://smelt-bucket/smelt/runs -e SMELT_XLA_CACHE=gs://smelt-bucket/smelt/xla --entrypoint=python us-docker.pkg.dev/smelt-proj/smelt/smelt-jax:golden -m smelt_jax train smelt16-100m-s0-baseline-6c8f3360 --data-dir gs://smelt-bucket/smelt/data/smelt16 --layout data=1,fsdp=8,expert=8,tensor=1 --remat none'
+    gcloud compute tpus tpu-vm ssh baseline-100m-s0-stable-fd7fe19e --project=smelt-proj --zone=us-east5-a --worker=all '--command=sudo gcloud auth configure-docker us-docker.pkg.dev --quiet && sudo docker run --rm --privileged --net=host -e SMELT_RUNS_DIR=gs://smelt-bucket/smelt/runs -e SMELT_XLA_CACHE=gs://smelt-bucket/smelt/xla --entrypoint=python us-docker.pkg.dev/smelt-proj/smelt/smelt-jax:golden -m smelt_jax train smelt16-100m-s0-baseline-55184b07 --data-dir gs://smelt-bucket/smelt/data/smelt16 --layout data=1,fsdp=8,expert=8,tensor=1 --remat none'
     rc=$?
     if [ "$rc" -eq 0 ]; then
       echo "$QR: done"

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# smelt-600m-s0-b0-30314c3e: smelt16-600m-s0-smelt-92caec1e b0 on v6e-16 (4 hosts); retries on preemption.
+# smelt-1p6b-s97-b5-73918824: smelt16-1.6b-s97-smelt-9ca583f2 b5 on v5p-512 (64 hosts); retries on preemption.
 # Checkpoints and results: gs://smelt-bucket/smelt/runs
 set -uo pipefail
-QR=smelt-600m-s0-b0-30314c3e
+QR=smelt-1p6b-s97-b5-73918824
 MAX_RESTARTS=20
 POLL_SECONDS=${SMELT_POLL_SECONDS:-60}
 
@@ -20,7 +20,7 @@ ensure_active() {  # 0 once the slice is ACTIVE, 1 if it failed or was preempted
     FAILED|SUSPENDED) delete_slice ;;
   esac
   if [ "$(state)" = MISSING ]; then
-    gcloud compute tpus queued-resources create smelt-600m-s0-b0-30314c3e --node-id=smelt-600m-s0-b0-30314c3e --project=smelt-proj --zone=us-east5-a --accelerator-type=v6e-16 --runtime-version=v2-alpha-tpuv6e --spot || return 1
+    gcloud compute tpus queued-resources create smelt-1p6b-s97-b5-73918824 --node-id=smelt-1p6b-s97-b5-73918824 --project=smelt-proj --zone=us-east5-a --accelerator-type=v5p-512 --runtime-version=v2-alpha-tpuv5 --spot || return 1
   fi
   while true; do
     case "$(state)" in
@@ -34,7 +34,7 @@ ensure_active() {  # 0 once the slice is ACTIVE, 1 if it failed or was preempted
 attempt=0
 while true; do
   if ensure_active; then
-    gcloud compute tpus tpu-vm ssh smelt-600m-s0-b0-30314c3e --project=smelt-proj --zone=us-east5-a --worker=all '--command=sudo gcloud auth configure-docker us-docker.pkg.dev --quiet && sudo docker run --rm --privileged --net=host -e SMELT_RUNS_DIR=gs://smelt-bucket/smelt/runs -e SMELT_XLA_CACHE=gs://smelt-bucket/smelt/xla --entrypoint=python us-docker.pkg.dev/smelt-proj/smelt/smelt-jax:golden -m smelt_jax train smelt16-600m-s0-smelt-92caec1e --branch 0 --data-dir gs://smelt-bucket/smelt/data/smelt16 --layout data=-1,fsdp=4,expert=1,tensor=1 --remat none'
+    gcloud compute tpus tpu-vm ssh smelt-1p6b-s97-b5-73918824 --project=smelt-proj --zone=us-east5-a --worker=all '--command=sudo gcloud auth configure-docker us-docker.pkg.dev --quiet && sudo docker run --rm --privileged --net=host -e SMELT_RUNS_DIR=gs://smelt-bucket/smelt/runs -e SMELT_XLA_CACHE=gs://smelt-bucket/smelt/xla --entrypoint=python us-docker.pkg.dev/smelt-proj/smelt/smelt-jax:golden -m smelt_jax train smelt16-1.6b-s97-smelt-9ca583f2 --branch 5 --data-dir gs://smelt-bucket/smelt/data/smelt16 --layout data=4,fsdp=8,expert=8,tensor=1 --remat dots'
     rc=$?
     if [ "$rc" -eq 0 ]; then
       echo "$QR: done"
