@@ -20,9 +20,8 @@ RANGE = (2e19, 8e20)
 
 def _curves(ax):
     """(solid lines, dashed extrapolation lines) of an axes, by their labels."""
-    lines = [line for line in ax.get_lines() if line.get_label() != "_child0"]
-    solid = [line for line in lines if not line.get_label().startswith("_")]
-    dashed = [line for line in lines if line.get_label().startswith("_extrapolated")]
+    solid = [line for line in ax.get_lines() if not line.get_label().startswith("_")]
+    dashed = [line for line in ax.get_lines() if line.get_label().startswith("_extrapolated")]
     return solid, dashed
 
 
