@@ -1,6 +1,7 @@
 """`smelt fit / gain / tables / fits-all` end to end on small inputs, and input validation errors."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -9,7 +10,7 @@ from scaling_synthetic import paper_pair_table
 
 from smelt_jax import paper
 from smelt_jax.cli import main
-from smelt_jax.scaling import io, pipeline
+from smelt_jax.scaling import io, pipeline, tables
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +37,7 @@ def test_gain_cli_reproduces_paper_table(paper_dir, capsys):
     assert "| 1e+21 | 0.95 | 15.68% |" in table
 
 
-def test_fit_bootstrap_gain_and_tables(tmp_path, capsys):
+def test_fit_bootstrap_gain_and_tables(tmp_path, capsys, monkeypatch):
     table = paper_pair_table(noise=0.002, seed=5)
     path = tmp_path / "runs.parquet"
     table.to_parquet(path)
@@ -55,10 +56,27 @@ def test_fit_bootstrap_gain_and_tables(tmp_path, capsys):
     assert all(r["ce_lo"] <= r["ce_gain"] <= r["ce_hi"] for r in rows)
     (tmp_path / "pair.json").write_text(json.dumps({"reference": "baseline", "target": "smelt",
                                                     "compute": [1e21], "sparsity": [0.95]}))
+    saved = {}  # every figure `smelt tables` writes, by file stem, to read its drawn range back
+    original_save = tables._save
+    monkeypatch.setattr(tables, "_save", lambda fig, out, stem: saved.setdefault(
+        (Path(out).name, stem), fig) and original_save(fig, out, stem))
     assert main(["tables", str(tmp_path)]) == 0
     for name in ("ce_gain.md", "ce_gain.csv", "ce_gain.tex", "ce_gain.png", "ce_gain.pdf",
                  "baseline/coefficients.md", "smelt/loss_vs_compute.png"):
         assert (tmp_path / name).stat().st_size > 0, name
+    # the figures span the data's compute range (F x D of the fitted table), not the paper's 1e18-1e23,
+    # at the table's sparsities
+    data = (float((table["F"] * table["D"]).min()), float((table["F"] * table["D"]).max()))
+    for key in (("smelt", "loss_vs_compute"), (tmp_path.name, "loss_vs_compute"), (tmp_path.name, "ce_gain")):
+        ax = saved[key].axes[0]
+        solid = [line for line in ax.get_lines() if not line.get_label().startswith("_")]
+        assert solid, key
+        for line in solid:
+            x = np.asarray(line.get_xdata(), float)
+            assert (x.min(), x.max()) == pytest.approx(data), key
+        assert ax.get_xlim() == pytest.approx((data[0] / tables.AXIS_MARGIN, data[1] * tables.AXIS_MARGIN)), key
+    assert {line.get_label().split("=")[-1] for line in saved[("smelt", "loss_vs_compute")].axes[0].get_lines()
+            if not line.get_label().startswith("_")} == {"0.85", "0.95", "0.97"}
 
 
 def test_chinchilla_fit_cli(tmp_path):

@@ -124,7 +124,10 @@ def register(subparsers) -> None:
 
     p = subparsers.add_parser("tables", help="markdown/CSV/LaTeX tables and PNG/PDF figures of a fit",
                               description="FITDIR with coefficients.json (one fit) or pair.json (CE gains "
-                                          "between two fit subdirectories).")
+                                          "between two fit subdirectories). The figures span the fitted "
+                                          "data's compute range (coefficients.json compute_range, else "
+                                          "points.csv), solid inside it and dashed beyond, at the points' "
+                                          "sparsities (pair.json's for a pair), and name a degenerate fit.")
     p.add_argument("fit_dir", metavar="FITDIR", help="a fit folder (coefficients.json) or a pair folder (pair.json)")
     p.set_defaults(handler=_tables)
 

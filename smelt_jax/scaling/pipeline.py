@@ -15,7 +15,7 @@ import pandas as pd
 
 from smelt_jax import paper
 from smelt_jax.errors import MissingInput, UsageError
-from smelt_jax.scaling import bootstrap, endpoints, fit, gains, io, tables
+from smelt_jax.scaling import bootstrap, endpoints, fit, gains, health, io, tables
 from smelt_jax.scaling.laws import LAWS, ChinchillaLaw, SmeltLaw
 
 
@@ -137,7 +137,8 @@ def write_fit_tables(fit_dir) -> list[Path]:
         points_path = fit_dir / "points.csv"
         if points_path.exists():   # a figure only where there are fitted points to show
             paths += tables.loss_vs_compute_figure(
-                fit_dir, {coefficients.get("arch") or "fit": coefficients["_law"]}, pd.read_csv(points_path))
+                fit_dir, {coefficients.get("arch") or "fit": coefficients["_law"]}, pd.read_csv(points_path),
+                compute_range=coefficients.get("compute_range"), problems=health.assess_fit(coefficients))
     return paths
 
 
@@ -150,16 +151,19 @@ def write_pair_tables(pair_dir, reference="baseline", target="smelt", computes=p
     paths = tables.write_table(pair_dir, "ce_gain", rows, columns, headers)
     ref, tgt = io.load_coefficients(pair_dir / reference), io.load_coefficients(pair_dir / target)
     ref_draws, tgt_draws = _paired_draws(ref, tgt)
-    axis = (min(computes) / 10, max(computes) * 10)  # a decade either side of the tabulated computes
-    paths += tables.ce_gain_figure(pair_dir, ref["_law"], tgt["_law"], sparsities, compute=axis,
-                                   reference_draws=ref_draws, target_draws=tgt_draws)
     points_path = pair_dir / "points.csv"  # a trained suite's sparse endpoints, shown with the frontiers
     points = pd.read_csv(points_path) if points_path.exists() else None
-    if points is not None:
-        compute = points["F"] * points["D"]
-        axis = (min(axis[0], float(compute.min()) / 2), max(axis[1], float(compute.max()) * 2))
+    # the figures span the data's compute range (both fits', or the points'), widened to the tabulated
+    # computes; outside the range they draw extrapolation
+    data_range = _common_range((ref, tgt)) or (gains.fitted_compute_range(points["F"], points["D"])
+                                                if points is not None else None)
+    problems = health.assess_fit(ref) + health.assess_fit(tgt)
+    paths += tables.ce_gain_figure(pair_dir, ref["_law"], tgt["_law"], sparsities, compute=computes,
+                                   reference_draws=ref_draws, target_draws=tgt_draws,
+                                   compute_range=data_range, problems=problems)
     paths += tables.loss_vs_compute_figure(pair_dir, {reference: ref["_law"], target: tgt["_law"]},
-                                           points=points, sparsities=sparsities, compute=axis)
+                                           points=points, sparsities=sparsities, compute=computes,
+                                           compute_range=data_range, problems=problems)
     return paths
 
 
@@ -260,8 +264,7 @@ def gain_grid(points: pd.DataFrame) -> tuple[list[float], list[float]]:
     log_low, log_high = math.log10(float(compute.min())), math.log10(float(compute.max()))
     inside = [_one_figure(10 ** (log_low + share * (log_high - log_low))) for share in (0.2, 0.5, 0.8)]
     computes = sorted({*inside, _one_figure(10 ** (log_high + 1))})
-    sparsities = sorted({round(float(s), 2) for s in points.groupby("sparsity_label")["S"].mean()})
-    return computes, sparsities
+    return computes, tables.point_sparsities(points)
 
 
 # A suite folder's fit protocol (`fits/<suite>/fit.json`; these defaults where it has none).
