@@ -123,9 +123,19 @@ def test_store_without_a_chunk_record_still_needs_every_chunk(copy):
     del manifest["arrays"]["tokens"]["chunks"]
     (copy / "manifest.json").write_text(json.dumps(manifest))
     TokenStore(copy)
+    # Such a store's writer left out chunks equal to the fill value: the all-zero doc_source of this
+    # one-source store reads as zeros there, and the store still verifies.
+    (copy / "arrays" / "doc_source" / "c" / "0").unlink()
+    verify_store(copy)
     _chunks(copy)[-1].unlink()
     with pytest.raises(StoreError, match="1 of .* token chunks are missing"):
         TokenStore(copy)
+
+
+def test_a_missing_small_array_chunk_fails_verification(copy):
+    (copy / "arrays" / "doc_source" / "c" / "0").unlink()  # every chunk is stored, even all-zero ones
+    with pytest.raises(StoreError, match="cannot read doc_source.*missing"):
+        verify_store(copy)
 
 
 def _digest(root: Path) -> str:

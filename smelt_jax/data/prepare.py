@@ -13,6 +13,8 @@ Two phases, both on `workers` processes:
    validation when sha256(text)[:8] / 2**64 < `val_fraction` (every source with two or more documents
    keeps one on each side; the rule of the embedded corpus), and the flat token array is written in
    whole zarr shards, each by one process. The small arrays and `manifest.json` (written last) follow.
+   All of it goes to `<store>/.staging/`, swapped in place of the old store only once complete; a store
+   of other inputs, tokenizer or config is replaced only with `force` (refused before any work).
 
 Bad input is counted and reported by shard and line, never silently dropped and never a traceback:
 records that are not valid UTF-8 (or not JSON), lack the text / source field, or hold an empty text; a
@@ -352,8 +354,9 @@ def _existing_store(root: str, urls: list[str], tokenizer, config: PrepareConfig
     if same and not old.get("failed_shards") and not force:
         return old
     if not same and not force:
+        tokens = old.get("totals", {}).get("tokens")
         raise PrepareError(f"{root} already holds a token store of other inputs, tokenizer or config "
-                           f"({old.get('totals', {}).get('tokens', '?'):,} tokens, digest "
+                           f"({f'{tokens:,}' if isinstance(tokens, int) else '?'} tokens, digest "
                            f"{str(old.get('store_digest'))[:16]}); pass --force to replace it, or choose "
                            "another --out")
     return None

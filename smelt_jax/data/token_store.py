@@ -12,6 +12,7 @@ Layout under the store's root (written by `smelt_jax.data.prepare`):
     arrays/by_source/<k>/<split>/    int64 [n]: ids of source k's documents in `split` (train | val),
                                      ascending
     parts/<id>/part.json, part.npz   per-input-shard output of the tokenize phase (resumption)
+    .staging/                        the store prepare is assembling (swapped in when complete)
 
 Every array's digest is a tree hash (`array_digest`): the sha256 of every block of 2**22 elements in
 little-endian bytes, hashed together with the dtype and shape. It depends on the values only, never on
@@ -22,10 +23,12 @@ Two writers produce stores: `smelt data prepare` (smelt_jax/data/prepare.py: tex
 tokenizer, many processes) and `smelt data build` (smelt_jax/data/corpus.py: the embedded byte-level
 corpus). Both write the index arrays and the manifest through `write_index` and `commit_manifest`.
 
-`TokenStore` opens a store read-only and is the one reader of training data: `sources`, `tokenizer`
-(with `pad_id`), `digest`, and `split(source, split)` -> `SplitArrays(tokens, offsets)` where `tokens`
-is a view that reads only the positions it is indexed with (tensorstore reads of the covering ranges,
-batched), so each host reads only its own rows.
+`check_store` runs at every open: the manifest's digest, every token chunk present (one listing) and
+their count and bytes as prepare recorded them; a chunk that is missing or does not decode at read
+time is a StoreError, never zeros. `TokenStore` opens a store read-only and is the one reader of
+training data: `sources`, `tokenizer` (with `pad_id`), `digest`, and `split(source, split)` ->
+`SplitArrays(tokens, offsets)` where `tokens` is a view that reads only the positions it is indexed
+with (tensorstore reads of the covering ranges, batched), so each host reads only its own rows.
 """
 
 from __future__ import annotations
@@ -154,12 +157,15 @@ def write_array(root, name: str, values: np.ndarray) -> dict:
     return {"dtype": values.dtype.str, "shape": list(values.shape), "sha256": array_digest(values)}
 
 
-def open_array(root, name: str, *, cache_bytes: int = 0, write: bool = False):
+def open_array(root, name: str, *, cache_bytes: int = 0, write: bool = False, strict: bool = True):
+    """An array of the store. `strict`: a missing chunk reads as an error, never as the fill value
+    (zeros), so a partial copy cannot train. Stores written before every chunk was stored (no chunk
+    record in the manifest: `every_chunk_stored`) left out chunks equal to the fill value, e.g. the
+    all-zero doc_source of a one-source store; their small arrays are read with strict=False."""
     import tensorstore as ts
 
-    # A missing chunk reads as an error, never as the fill value (zeros): a partial copy must not train.
     spec = {"driver": "zarr3", "kvstore": gcs.kvstore_spec(array_url(root, name)),
-            "recheck_cached_data": "open", "fill_missing_data_reads": False}
+            "recheck_cached_data": "open", "fill_missing_data_reads": not strict}
     if write:
         spec["store_data_equal_to_fill_value"] = True
     context = ts.Context({"cache_pool": {"total_bytes_limit": int(cache_bytes)}})
@@ -169,9 +175,16 @@ def open_array(root, name: str, *, cache_bytes: int = 0, write: bool = False):
         raise StoreError(f"cannot open array {name} of the token store at {root}: {err}") from err
 
 
-def read_array(root, name: str) -> np.ndarray:
-    store = open_array(root, name)
+def read_array(root, name: str, strict: bool = True) -> np.ndarray:
+    store = open_array(root, name, strict=strict)
     return _read(store[...], root, name, "")
+
+
+def every_chunk_stored(manifest: dict, name: str) -> bool:
+    """Whether a missing chunk of array `name` is damage: always for the tokens (their chunks are
+    never all fill value in practice, and check_store lists them); for the small arrays, in stores whose
+    writer stored every chunk (those with a token chunk record)."""
+    return name == "tokens" or "chunks" in manifest["arrays"]["tokens"]
 
 
 def _read(view, root, name: str, where: str) -> np.ndarray:
@@ -187,10 +200,10 @@ def _result(future, root, name: str, where: str) -> np.ndarray:
                          "the store is damaged: copy or prepare it again") from None
 
 
-def verify_array(root, name: str, entry: dict) -> str | None:
+def verify_array(root, name: str, entry: dict, strict: bool = True) -> str | None:
     """Recompute one array's digest from storage; None when it matches, else the problem."""
     try:
-        store = open_array(root, name)
+        store = open_array(root, name, strict=strict)
     except StoreError as err:
         return str(err)
     shape = list(store.shape)
@@ -293,7 +306,7 @@ def verify_store(root) -> dict:
     """Recompute every array digest and the store digest; return the manifest or raise StoreError."""
     manifest = read_manifest(root)
     problems = [p for name, entry in sorted(manifest["arrays"].items())
-                if (p := verify_array(root, name, entry))]
+                if (p := verify_array(root, name, entry, every_chunk_stored(manifest, name)))]
     if store_digest(manifest) != manifest["store_digest"]:
         problems.append("store_digest does not match the manifest's content")
     if problems:
@@ -486,7 +499,8 @@ class TokenStore:
                              "it again with the expected tokenizer")
         self.tokenizer = load_store_tokenizer(self.root, self.manifest)
         self.tokens = TokenArray(open_array(self.root, "tokens", cache_bytes=cache_bytes), self.root)
-        self.doc_offsets = read_array(self.root, "doc_offsets").astype(np.int64)
+        self._strict = every_chunk_stored(self.manifest, "doc_offsets")
+        self.doc_offsets = read_array(self.root, "doc_offsets", self._strict).astype(np.int64)
         arrays = self.manifest["arrays"]
         if (self.tokens.size != arrays["tokens"]["shape"][0]
                 or self.doc_offsets.size != arrays["doc_offsets"]["shape"][0]
@@ -506,7 +520,8 @@ class TokenStore:
     def document_ids(self, source: str, split: str) -> np.ndarray:
         if source not in self._names or split not in SPLITS:
             raise UnknownName(f"no split {source}.{split}; sources are {list(self.sources)}, splits {SPLITS}")
-        return read_array(self.root, f"by_source/{self._names.index(source):04d}/{split}").astype(np.int64)
+        return read_array(self.root, f"by_source/{self._names.index(source):04d}/{split}",
+                          self._strict).astype(np.int64)
 
     def split(self, source: str, split: str) -> SplitArrays:
         key = (source, split)

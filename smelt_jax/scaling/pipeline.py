@@ -303,10 +303,13 @@ def check_endpoint_rows(results: pd.DataFrame, where: str) -> None:
     """UsageError naming the run and branch of every endpoint row (up to 5) whose fitted columns are
     not finite numbers in range: the row to fix or retrain, not a row number of points.csv."""
     bad = []
-    for index, row in results.iterrows():
+    values = {column: pd.to_numeric(results[column], errors="coerce").to_numpy(float)
+              for column in _ENDPOINT_VALUES}
+    for i in range(len(results)):
         for column, (ok, rule) in _ENDPOINT_VALUES.items():
-            value = pd.to_numeric(pd.Series([row[column]]), errors="coerce").iloc[0]
+            value = values[column][i]
             if not (math.isfinite(value) and ok(value)):
+                row = results.iloc[i]
                 bad.append(f"run {row['run_id']} branch {row['branch']}: {column}={row[column]!r} "
                            f"(must be a finite number {rule})")
                 break

@@ -127,7 +127,6 @@ def collect(root: str | Path | None = None, suites: list[str] | None = None,
             suites = sorted({url[len(base):].split("/", 1)[0] for url in _bucket_endpoints(root_text)})
         from smelt_jax.rundir import as_path
         store = as_path(store_root) if store_root is not None else runs_root()
-        reports = []
         return [_append_missing(suite, _bucket_files(root_text, suite), store) for suite in suites]
     if "://" in root_text:
         raise UsageError(f"unsupported runs root {root_text!r}: a local path or gs://")
