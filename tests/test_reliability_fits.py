@@ -97,3 +97,15 @@ def test_zero_byte_csv_is_one_line(tmp_path, command, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "empty file" in err and "Traceback" not in err
+
+
+def test_fits_all_skips_a_staging_folder_left_by_a_killed_fit_suite(tmp_path, monkeypatch):
+    for name in ("suite", ".suite.fitting-abc"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.csv").write_text("x\n")
+    fitted = []
+    monkeypatch.setattr(pipeline, "write_paper_fits", lambda out: [])
+    monkeypatch.setattr(pipeline, "write_chinchilla_fits", lambda out, draws: [])
+    monkeypatch.setattr(pipeline, "fit_suite_table", lambda folder: fitted.append(folder.name) or [])
+    pipeline.fits_all(tmp_path)
+    assert fitted == ["suite"]

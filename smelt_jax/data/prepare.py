@@ -381,7 +381,10 @@ def _swap_in(stage: str, root: str) -> None:
         return
     import shutil
     import tempfile
+    from pathlib import Path
 
+    for left in Path(root).glob(".old-*"):  # an earlier swap killed half-way
+        shutil.rmtree(left, ignore_errors=True)
     trash = tempfile.mkdtemp(prefix=".old-", dir=root)
     for name in names:
         if os.path.lexists(os.path.join(root, name)):

@@ -436,5 +436,6 @@ def fits_all(root="fits", chinchilla_draws: int = 4000) -> list[Path]:
     root = Path(root)
     paths = write_paper_fits(root / "paper") + write_chinchilla_fits(root / "chinchilla", chinchilla_draws)
     for table in sorted(root.glob("*/results.csv")):
-        paths += fit_suite_table(table.parent)
+        if not table.parent.name.startswith("."):  # a staging folder left by a killed fit-suite
+            paths += fit_suite_table(table.parent)
     return paths
