@@ -7,6 +7,10 @@ duplicating it — and writes the new table to a temporary file that `os.replace
 therefore sees the old table or the new one, never half a row, and a crash mid-write leaves the old table.
 The parquet file is the source of truth; the CSV is rewritten from it on every append and by
 `rewrite_csv` (which `smelt results collect` calls), so a damaged or stale CSV never outlives a collect.
+A table that does not parse (`ResultsDamaged`) is never silently replaced by a reader: readers
+report it in one line; an endpoint's append and `smelt results collect` (`set_aside_damaged`) rename
+it `results.parquet.damaged-<UTC time>` and start a new table, which collect fills from the endpoint
+files. A reader of a folder it cannot write reads without the lock (a read-only mount).
 The files get the permissions of any new file (0666 less the umask: group-readable under the usual
 022 umask), not mkstemp's private 0600.
 

@@ -63,11 +63,11 @@ def endpoint_result(row: dict, where="endpoint row"):
         raise UsageError(f"{where}: {err}; fix or delete it and retrain that branch") from None
 
 
-def _append_missing(suite: str, found: list[tuple[str, str | None]], store_root: Path) -> CollectReport:
+def _append_missing(suite: str, found: list[tuple[str, str]], store_root: Path) -> CollectReport:
     """Append the rows missing from the store; then rewrite the CSV from the parquet table, so a
     truncated or stale results.csv is repaired even when nothing was missing. `found`: (where, the
-    file's text). A damaged results.parquet is set aside and rebuilt
-    from every endpoint file; a file that cannot be read or parsed is reported and the rest collected."""
+    file's text) per endpoint file. A damaged results.parquet is set aside and rebuilt from every
+    endpoint file; a file that does not parse or holds a bad row is reported and the rest collected."""
     from smelt_jax.results import append_result, rewrite_csv, set_aside_damaged
     folder = results_dir(suite, store_root)
     aside = set_aside_damaged(folder)
