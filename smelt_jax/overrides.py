@@ -10,6 +10,9 @@ import math
 from smelt_jax.config import ConfigError
 from smelt_jax.descriptors import RunSpec
 
+INT_LIMIT = 2**63  # an integer override must fit a signed 64-bit integer (numpy, JAX, orbax)
+MAX_PARAMS = 10**13  # a model beyond ten trillion parameters is a typo, refused before anything starts
+
 
 def _check_value(key: str, old, value, annotation: str = ""):
     """`value` converted to the type of the field's current value `old`; ConfigError if it cannot be.
@@ -26,6 +29,8 @@ def _check_value(key: str, old, value, annotation: str = ""):
     if isinstance(old, int):
         if isinstance(value, bool) or not isinstance(value, int):
             raise fail("an integer")
+        if not -INT_LIMIT < value < INT_LIMIT:
+            raise fail("an integer that fits 64 bits (magnitude below 2**63)")
         return value
     if isinstance(old, float):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
@@ -71,7 +76,12 @@ def apply_overrides(run: RunSpec, overrides: list[str]) -> RunSpec:
         else:
             raise ConfigError(f"override {key!r}: no such model or schedule field")
     try:
-        return dataclasses.replace(run, model=type(run.model).from_dict(model),
-                                   schedule=type(run.schedule).from_dict(schedule))
-    except (TypeError, ValueError) as err:
+        changed = dataclasses.replace(run, model=type(run.model).from_dict(model),
+                                      schedule=type(run.schedule).from_dict(schedule))
+        params = changed.budget().params_total
+    except (TypeError, ValueError, OverflowError) as err:
         raise ConfigError(f"--override {' '.join(overrides)}: {err}") from err
+    if params > MAX_PARAMS:
+        raise ConfigError(f"--override {' '.join(overrides)}: the model would have {params:.3g} parameters "
+                          f"(more than {MAX_PARAMS:.0e}); a typo?")
+    return changed

@@ -7,6 +7,10 @@ duplicating it — and writes the new table to a temporary file that `os.replace
 therefore sees the old table or the new one, never half a row, and a crash mid-write leaves the old table.
 The parquet file is the source of truth; the CSV is rewritten from it on every append and by
 `rewrite_csv` (which `smelt results collect` calls), so a damaged or stale CSV never outlives a collect.
+A table that does not parse (`ResultsDamaged`) is never silently replaced by a reader: readers
+report it in one line; an endpoint's append and `smelt results collect` (`set_aside_damaged`) rename
+it `results.parquet.damaged-<UTC time>` and start a new table, which collect fills from the endpoint
+files. A reader of a folder it cannot write reads without the lock (a read-only mount).
 The files get the permissions of any new file (0666 less the umask: group-readable under the usual
 022 umask), not mkstemp's private 0600.
 
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import fcntl
 import math
 import os
@@ -32,13 +37,31 @@ from pathlib import Path
 
 import pandas as pd
 
-from smelt_jax.errors import UsageError
+from smelt_jax.errors import SmeltError, UsageError
 
 TABLE_NAME = "results.parquet"
 CSV_NAME = "results.csv"
 LOCK_NAME = "results.lock"
 KEY = ("run_id", "branch")
 LOSS_PREFIX = "loss_"
+
+
+class ResultsDamaged(SmeltError, ValueError):
+    """results.parquet does not parse (truncated, zero bytes, overwritten): `smelt results collect`
+    rebuilds it from the endpoint files."""
+
+
+def _parse(source, where) -> pd.DataFrame:
+    """pd.read_parquet of a path or a file object; a table that does not parse is ResultsDamaged. An
+    error with an errno (permission, I/O, a missing mount) is not damage: it propagates as it is."""
+    import pyarrow as pa
+    try:
+        return pd.read_parquet(source)
+    except (pa.lib.ArrowException, OSError) as err:
+        if isinstance(err, OSError) and err.errno is not None:
+            raise
+        raise ResultsDamaged(f"{where} is damaged ({str(err).splitlines()[0]}); `smelt results collect` "
+                             "rebuilds it from the endpoint files") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,10 +128,23 @@ def git_commit(repo: str | os.PathLike | None = None) -> str:
     return head + ("-dirty" if dirty else "")
 
 
+READ_ONLY_ERRNOS = (errno.EROFS, errno.EACCES, errno.EPERM)
+
+
 @contextlib.contextmanager
 def _locked(folder: Path, exclusive: bool) -> Iterator[None]:
-    folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / LOCK_NAME, "a+") as handle:
+    """The results lock. A reader of a folder it cannot write (a read-only mount, another user's
+    runs) reads without it: the table is only ever replaced by a rename, so it sees a whole table."""
+    if exclusive:
+        folder.mkdir(parents=True, exist_ok=True)
+    try:
+        handle = open(folder / LOCK_NAME, "a+")
+    except OSError as err:
+        if exclusive or err.errno not in READ_ONLY_ERRNOS:
+            raise
+        yield
+        return
+    with handle:
         fcntl.flock(handle.fileno(), fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
         try:
             yield
@@ -162,7 +198,7 @@ def _read_gcs_table(folder: str) -> pd.DataFrame:
         data = gcs.read_bytes(f"{folder}/{TABLE_NAME}")
     except FileNotFoundError:
         return pd.DataFrame(columns=list(FIXED_COLUMNS))
-    return pd.read_parquet(io.BytesIO(data))
+    return _parse(io.BytesIO(data), f"{folder}/{TABLE_NAME}")
 
 
 def _write_gcs_table(folder: str, table: pd.DataFrame, parquet: bool = True) -> None:
@@ -182,7 +218,55 @@ def _read_table(folder: Path) -> pd.DataFrame:
     path = folder / TABLE_NAME
     if not path.exists():
         return pd.DataFrame(columns=list(FIXED_COLUMNS))
-    return pd.read_parquet(path)
+    return _parse(path, path)
+
+
+def _set_aside(folder, err: ResultsDamaged, warn: bool = True):
+    """Rename a damaged results.parquet `results.parquet.damaged-<UTC time>` (kept for inspection) and
+    warn; the next write starts a new table (local callers hold the exclusive lock)."""
+    import warnings
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    if _is_gcs(folder):
+        from smelt_jax.data import gcs
+        aside = f"{folder}/{TABLE_NAME}.damaged-{stamp}"
+        gcs.write_bytes(aside, gcs.read_bytes(f"{folder}/{TABLE_NAME}"))
+        gcs.delete(f"{folder}/{TABLE_NAME}")
+    else:
+        aside = folder / f"{TABLE_NAME}.damaged-{stamp}"
+        os.replace(folder / TABLE_NAME, aside)
+    if warn:
+        warnings.warn(f"{err}; set aside as {aside}", stacklevel=3)
+    return aside
+
+
+def _read_or_set_aside(folder) -> pd.DataFrame:
+    """The table, or an empty one when it was damaged (set aside): an endpoint's append never fails on
+    a damaged table, and the endpoint files hold every other row (`smelt results collect`)."""
+    try:
+        return _read_table(folder)
+    except ResultsDamaged as err:
+        _set_aside(folder, err)
+        return pd.DataFrame(columns=list(FIXED_COLUMNS))
+
+
+def set_aside_damaged(folder: str | os.PathLike):
+    """If the folder's results.parquet is damaged, set it aside (see `_set_aside`) and return where it
+    went; None when the table parses or is absent. `smelt results collect` then rebuilds the table."""
+    folder = _folder(folder)
+    if _is_gcs(folder):
+        try:
+            _read_table(folder)
+        except ResultsDamaged as err:
+            return _set_aside(folder, err, warn=False)
+        return None
+    if not (folder / TABLE_NAME).exists():
+        return None
+    with _locked(folder, exclusive=True):
+        try:
+            _read_table(folder)
+        except ResultsDamaged as err:
+            return _set_aside(folder, err, warn=False)
+    return None
 
 
 def append_result(result: EndpointResult, folder: str | os.PathLike) -> pd.DataFrame:
@@ -201,11 +285,11 @@ def append_result(result: EndpointResult, folder: str | os.PathLike) -> pd.DataF
         return _order_columns(table).sort_values(list(KEY), kind="stable").reset_index(drop=True)
 
     if _is_gcs(folder):  # no lock on a bucket (module docstring)
-        table = updated(_read_gcs_table(folder))
+        table = updated(_read_or_set_aside(folder))
         _write_gcs_table(folder, table)
         return table
     with _locked(folder, exclusive=True):
-        table = updated(_read_table(folder))
+        table = updated(_read_or_set_aside(folder))
         _replace_atomically(folder / TABLE_NAME, lambda p: table.to_parquet(p, index=False))
         _replace_atomically(folder / CSV_NAME, lambda p: table.to_csv(p, index=False))
     return table

@@ -240,3 +240,25 @@ def test_training_on_local_and_gcs_stores_gives_the_same_losses(gcs_store, local
         losses.append([m["loss"] for m in metrics if "loss" in m])
     assert len(losses[0]) == 6 and losses[0] == losses[1]
     assert all(np.isfinite(losses[0]))
+
+
+def test_gcs_store_is_checked_at_open_and_replaced_only_with_force(gcs_store, inputs, tokenizer_path):
+    """Issue 27 items 1 and 5 on gs://: the staging prefix is gone after the swap, a copy missing one
+    chunk object is refused at open, and other inputs do not replace the store without --force."""
+    from smelt_jax.data.prepare import STAGING_DIR, PrepareError
+
+    root = gcs_store.root
+    assert not gcs.list_files(gcs.join(root, STAGING_DIR))
+    assert gcs_store.manifest["arrays"]["tokens"]["chunks"]["bytes"] is None  # no sizes in a bucket listing
+    copy = f"gs://{BUCKET}/stores/partial"
+    for url in gcs.list_files(root):
+        if "/parts/" not in url:
+            gcs.write_bytes(copy + url[len(root):], gcs.read_bytes(url))
+    TokenStore(copy)
+    gcs.delete(f"{copy}/arrays/tokens/c/1")
+    with pytest.raises(StoreError, match=r"1 of \d+ token chunks are missing \(c/1 under gs://"):
+        TokenStore(copy)
+    remote_tok = HFTokenizer.from_file(f"gs://{BUCKET}/tokenizer.json")
+    with pytest.raises(PrepareError, match="pass --force"):
+        prepare([str(inputs / "mixed.jsonl")], root, remote_tok, CONFIG, progress=False)
+    assert TokenStore(root).digest == gcs_store.manifest["store_digest"]

@@ -28,6 +28,7 @@ class CliError(SmeltError):
 # should be): one line and exit 2 instead of a traceback.
 USER_FS_ERRNOS = {errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT, errno.ENOTDIR,
                   errno.EISDIR, errno.EEXIST}
+WRITE_ERRNOS = {errno.EROFS, errno.ENOSPC, errno.EDQUOT}  # only a write fails so; the others: any access
 
 
 def filesystem_errors(handler):
@@ -40,7 +41,8 @@ def filesystem_errors(handler):
             if err.errno not in USER_FS_ERRNOS:
                 raise
             where = f" {err.filename}" if err.filename else ""
-            raise CliError(f"cannot write{where}: {err.strerror or err}") from err
+            verb = "cannot write" if err.errno in WRITE_ERRNOS else "cannot access"
+            raise CliError(f"{verb}{where}: {err.strerror or err}") from err
     return wrapped
 
 

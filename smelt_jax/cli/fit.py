@@ -77,6 +77,8 @@ def _fit_suite(args) -> int:
     if not (Path(args.fit_dir) / "results.csv").exists():
         raise CliError(f"{args.fit_dir}: no results.csv (write it with `smelt results export --suite SUITE`)")
     report = fit_and_report(Path(args.fit_dir))
+    if not report.paths:  # nothing was fitted (the folder is as it was): one line, exit 2
+        raise CliError("; ".join(report.warnings) or f"{args.fit_dir}: no fit")
     for path in sorted(set(report.paths)):
         print(path)
     print(report.text(), end="")

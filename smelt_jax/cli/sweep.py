@@ -106,10 +106,14 @@ def cmd_collect(args) -> int:
     from smelt_jax.sweep.collect import collect
     reports = collect(args.runs_dir, [args.suite] if args.suite else None)
     for report in reports:
+        if report.set_aside:
+            print(f"{report.suite}: the damaged results table was set aside as {report.set_aside} and rebuilt")
         print(f"{report.suite}: {report.endpoints} endpoints, {report.appended} rows appended")
+        for problem in report.problems:
+            print(f"  not collected: {problem}")
     if not reports:
         print("no suites found")
-    return 0
+    return 1 if any(report.problems for report in reports) else 0
 
 
 @filesystem_errors

@@ -13,6 +13,8 @@ Two phases, both on `workers` processes:
    validation when sha256(text)[:8] / 2**64 < `val_fraction` (every source with two or more documents
    keeps one on each side; the rule of the embedded corpus), and the flat token array is written in
    whole zarr shards, each by one process. The small arrays and `manifest.json` (written last) follow.
+   All of it goes to `<store>/.staging/`, swapped in place of the old store only once complete; a store
+   of other inputs, tokenizer or config is replaced only with `force` (refused before any work).
 
 Bad input is counted and reported by shard and line, never silently dropped and never a traceback:
 records that are not valid UTF-8 (or not JSON), lack the text / source field, or hold an empty text; a
@@ -329,6 +331,71 @@ def _pool(workers: int, initializer, initargs):
     return multiprocessing.get_context("spawn").Pool(workers, initializer=initializer, initargs=initargs)
 
 
+STAGING_DIR = ".staging"  # under the store's root: the store being assembled, swapped in when complete
+
+
+def _existing_store(root: str, urls: list[str], tokenizer, config: PrepareConfig, force: bool) -> dict | None:
+    """The manifest of a store at `root` that is up to date with this prepare (kept as it is), else None.
+
+    A store of other inputs, tokenizer or config is replaced only with `force` (PrepareError otherwise,
+    before anything is read or written); a store of the same recipe with failed shards is rebuilt (a
+    rerun retries them). Nothing is deleted here: the new store replaces the old one only once it is
+    complete (`_swap_in`)."""
+    if not gcs.exists(gcs.join(root, tsd.MANIFEST_NAME)):
+        return None  # nothing there, or an interrupted prepare (no manifest yet): resume
+    try:
+        old = tsd.read_manifest(root)
+    except tsd.StoreError as err:
+        if force:
+            return None
+        raise PrepareError(f"{err}; pass --force to replace it") from None
+    same = (old.get("config") == dataclasses.asdict(config) and old.get("tokenizer") == tokenizer.to_dict()
+            and [i["input"] for i in old.get("inputs", [])] == urls)
+    if same and not old.get("failed_shards") and not force:
+        return old
+    if not same and not force:
+        tokens = old.get("totals", {}).get("tokens")
+        raise PrepareError(f"{root} already holds a token store of other inputs, tokenizer or config "
+                           f"({f'{tokens:,}' if isinstance(tokens, int) else '?'} tokens, digest "
+                           f"{str(old.get('store_digest'))[:16]}); pass --force to replace it, or choose "
+                           "another --out")
+    return None
+
+
+def _swap_in(stage: str, root: str) -> None:
+    """Put the complete store at `stage` (arrays, tokenizer.json, manifest.json) in place of the one at
+    `root`. The old manifest goes first and the new one comes last, so a reader sees the old store, no
+    store, or the new one. Local: renames. gs://: the staged objects are copied (a bucket has no rename:
+    one read and one write per object) and the staging prefix deleted."""
+    names = (tsd.ARRAYS_DIR, tsd.TOKENIZER_NAME)
+    gcs.delete(gcs.join(root, tsd.MANIFEST_NAME))
+    if gcs.is_gcs(root):
+        gcs.delete_tree(gcs.join(root, tsd.ARRAYS_DIR))
+        gcs.delete(gcs.join(root, tsd.TOKENIZER_NAME))
+        prefix = stage.rstrip("/") + "/"
+        for url in gcs.list_files(stage):
+            if url[len(prefix):] != tsd.MANIFEST_NAME:
+                gcs.write_bytes(gcs.join(root, url[len(prefix):]), gcs.read_bytes(url))
+        gcs.write_bytes(gcs.join(root, tsd.MANIFEST_NAME), gcs.read_bytes(gcs.join(stage, tsd.MANIFEST_NAME)))
+        gcs.delete_tree(stage)
+        return
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    for left in Path(root).glob(".old-*"):  # an earlier swap killed half-way
+        shutil.rmtree(left, ignore_errors=True)
+    trash = tempfile.mkdtemp(prefix=".old-", dir=root)
+    for name in names:
+        if os.path.lexists(os.path.join(root, name)):
+            os.replace(os.path.join(root, name), os.path.join(trash, name))
+        if os.path.lexists(os.path.join(stage, name)):
+            os.replace(os.path.join(stage, name), os.path.join(root, name))
+    os.replace(os.path.join(stage, tsd.MANIFEST_NAME), os.path.join(root, tsd.MANIFEST_NAME))
+    shutil.rmtree(trash, ignore_errors=True)
+    shutil.rmtree(stage, ignore_errors=True)
+
+
 def prepare(inputs: list[str], out, tokenizer, config: PrepareConfig | None = None, *, workers: int = 1,
             force: bool = False, progress: bool = True, clean_parts: bool = False,
             subset: tuple[int, int] | None = None,
@@ -347,16 +414,12 @@ def prepare(inputs: list[str], out, tokenizer, config: PrepareConfig | None = No
     if not urls:
         raise PrepareError("no input shards")
     key = config.part_key(f"{tokenizer.sha256}:{tokenizer.bos_id}:{tokenizer.eos_id}")
-    manifest_url = gcs.join(root, tsd.MANIFEST_NAME)
-    if gcs.exists(manifest_url):
-        old = tsd.read_manifest(root)
-        same = (old.get("config") == dataclasses.asdict(config) and old["tokenizer"] == tokenizer.to_dict()
-                and [i["input"] for i in old["inputs"]] == urls and not old.get("failed_shards"))
-        if same and not force:
-            say(f"token store at {root} is up to date ({old['totals']['tokens']:,} tokens, "
-                f"digest {old['store_digest'][:16]})")
-            return PrepareResult(root, old, False, [])
-        gcs.delete(manifest_url)  # the store is incomplete from here until the new manifest
+    if subset is None:
+        kept = _existing_store(root, urls, tokenizer, config, force)
+        if kept is not None:
+            say(f"token store at {root} is up to date ({kept['totals']['tokens']:,} tokens, "
+                f"digest {kept['store_digest'][:16]})")
+            return PrepareResult(root, kept, False, [])
     if force and subset is None:
         gcs.delete_tree(gcs.join(root, tsd.PARTS_DIR))
     all_urls = urls
@@ -446,12 +509,13 @@ def prepare(inputs: list[str], out, tokenizer, config: PrepareConfig | None = No
     say(f"assembling {lengths.size:,} documents, {total:,} tokens ({int((~keep).sum()):,} duplicates "
         f"dropped) from {len(good)} part(s)")
 
-    gcs.delete_tree(gcs.join(root, tsd.ARRAYS_DIR))
-    tsd.create_array(root, "tokens", dtype, [total], layout=config.layout)
+    stage = gcs.join(root, STAGING_DIR)  # the new store is built here and swapped in when complete
+    gcs.delete_tree(stage)
+    tsd.create_array(stage, "tokens", dtype, [total], layout=config.layout)
     n_shards = -(-total // tsd.TOKENS_SHARD)
     part_urls = [_part_url(root, u, "part.npz") for u, _, _ in metas]
     per = -(-n_shards // max(1, min(workers, n_shards)))
-    tasks = [(root, s, min(s + per, n_shards), total, dtype, part_urls, doc_part, doc_src, offsets[:-1],
+    tasks = [(stage, s, min(s + per, n_shards), total, dtype, part_urls, doc_part, doc_src, offsets[:-1],
               lengths) for s in range(0, n_shards, per)]
     digests: dict[int, str] = {}
     if workers <= 1 or len(tasks) == 1:
@@ -462,11 +526,12 @@ def prepare(inputs: list[str], out, tokenizer, config: PrepareConfig | None = No
             for part in pool.imap_unordered(_assemble_task, tasks):
                 digests.update(part)
     arrays = {"tokens": {"dtype": dtype.str, "shape": [total],
-                         "sha256": tsd.combine_digests(dtype, [total], [digests[i] for i in range(n_shards)])}}
-    index, sources = tsd.write_index(root, lengths, codes, val, names, duplicates)
+                         "sha256": tsd.combine_digests(dtype, [total], [digests[i] for i in range(n_shards)]),
+                         "chunks": tsd.chunk_record(stage)}}
+    index, sources = tsd.write_index(stage, lengths, codes, val, names, duplicates)
     arrays.update(index)
     if getattr(tokenizer, "kind", "") != "bytes":
-        gcs.write_text(gcs.join(root, tsd.TOKENIZER_NAME), tokenizer.json)
+        gcs.write_text(gcs.join(stage, tsd.TOKENIZER_NAME), tokenizer.json)
     problems = Counter()
     for s in summaries.values():
         problems.update(s.get("problems", {}))
@@ -488,7 +553,8 @@ def prepare(inputs: list[str], out, tokenizer, config: PrepareConfig | None = No
                     "tokens_per_second": round(new_tokens / max(tokenize_seconds, 1e-9)),
                     "prepared_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
     }
-    tsd.commit_manifest(root, manifest)
+    tsd.commit_manifest(stage, manifest)
+    _swap_in(stage, root)
     if clean_parts:
         gcs.delete_tree(gcs.join(root, tsd.PARTS_DIR))
     say(f"token store at {root}: {total:,} tokens in {lengths.size:,} documents, {len(names)} source(s); "

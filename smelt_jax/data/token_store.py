@@ -12,6 +12,7 @@ Layout under the store's root (written by `smelt_jax.data.prepare`):
     arrays/by_source/<k>/<split>/    int64 [n]: ids of source k's documents in `split` (train | val),
                                      ascending
     parts/<id>/part.json, part.npz   per-input-shard output of the tokenize phase (resumption)
+    .staging/                        the store prepare is assembling (swapped in when complete)
 
 Every array's digest is a tree hash (`array_digest`): the sha256 of every block of 2**22 elements in
 little-endian bytes, hashed together with the dtype and shape. It depends on the values only, never on
@@ -22,10 +23,12 @@ Two writers produce stores: `smelt data prepare` (smelt_jax/data/prepare.py: tex
 tokenizer, many processes) and `smelt data build` (smelt_jax/data/corpus.py: the embedded byte-level
 corpus). Both write the index arrays and the manifest through `write_index` and `commit_manifest`.
 
-`TokenStore` opens a store read-only and is the one reader of training data: `sources`, `tokenizer`
-(with `pad_id`), `digest`, and `split(source, split)` -> `SplitArrays(tokens, offsets)` where `tokens`
-is a view that reads only the positions it is indexed with (tensorstore reads of the covering ranges,
-batched), so each host reads only its own rows.
+`check_store` runs at every open: the manifest's digest, every token chunk present (one listing) and
+their count and bytes as prepare recorded them; a chunk that is missing or does not decode at read
+time is a StoreError, never zeros. `TokenStore` opens a store read-only and is the one reader of
+training data: `sources`, `tokenizer` (with `pad_id`), `digest`, and `split(source, split)` ->
+`SplitArrays(tokens, offsets)` where `tokens` is a view that reads only the positions it is indexed
+with (tensorstore reads of the covering ranges, batched), so each host reads only its own rows.
 """
 
 from __future__ import annotations
@@ -137,10 +140,12 @@ def _zarr_spec(root, name: str, dtype, shape, *, layout: str = "small") -> dict:
 
 
 def create_array(root, name: str, dtype, shape, *, layout: str = "small"):
-    """A new zarr3 array (the folder must be empty: callers delete old arrays key by key first)."""
+    """A new zarr3 array (the folder must be empty: callers delete old arrays key by key first). Every
+    chunk is stored, even one equal to the fill value, so a missing chunk object is always damage."""
     import tensorstore as ts
 
-    return ts.open(_zarr_spec(root, name, dtype, shape, layout=layout), create=True).result()
+    spec = {**_zarr_spec(root, name, dtype, shape, layout=layout), "store_data_equal_to_fill_value": True}
+    return ts.open(spec, create=True).result()
 
 
 def write_array(root, name: str, values: np.ndarray) -> dict:
@@ -152,11 +157,17 @@ def write_array(root, name: str, values: np.ndarray) -> dict:
     return {"dtype": values.dtype.str, "shape": list(values.shape), "sha256": array_digest(values)}
 
 
-def open_array(root, name: str, *, cache_bytes: int = 0, write: bool = False):
+def open_array(root, name: str, *, cache_bytes: int = 0, write: bool = False, strict: bool = True):
+    """An array of the store. `strict`: a missing chunk reads as an error, never as the fill value
+    (zeros), so a partial copy cannot train. Stores written before every chunk was stored (no chunk
+    record in the manifest: `every_chunk_stored`) left out chunks equal to the fill value, e.g. the
+    all-zero doc_source of a one-source store; their small arrays are read with strict=False."""
     import tensorstore as ts
 
     spec = {"driver": "zarr3", "kvstore": gcs.kvstore_spec(array_url(root, name)),
-            "recheck_cached_data": "open"}
+            "recheck_cached_data": "open", "fill_missing_data_reads": not strict}
+    if write:
+        spec["store_data_equal_to_fill_value"] = True
     context = ts.Context({"cache_pool": {"total_bytes_limit": int(cache_bytes)}})
     try:
         return ts.open(spec, read=True, write=write, open=True, context=context).result()
@@ -164,14 +175,35 @@ def open_array(root, name: str, *, cache_bytes: int = 0, write: bool = False):
         raise StoreError(f"cannot open array {name} of the token store at {root}: {err}") from err
 
 
-def read_array(root, name: str) -> np.ndarray:
-    return np.asarray(open_array(root, name).read().result())
+def read_array(root, name: str, strict: bool = True) -> np.ndarray:
+    store = open_array(root, name, strict=strict)
+    return _read(store[...], root, name, "")
 
 
-def verify_array(root, name: str, entry: dict) -> str | None:
+def every_chunk_stored(manifest: dict, name: str) -> bool:
+    """Whether a missing chunk of array `name` is damage: always for the tokens (their chunks are
+    never all fill value in practice, and check_store lists them); for the small arrays, in stores whose
+    writer stored every chunk (those with a token chunk record)."""
+    return name == "tokens" or "chunks" in manifest["arrays"]["tokens"]
+
+
+def _read(view, root, name: str, where: str) -> np.ndarray:
+    return _result(view.read(), root, name, where)
+
+
+def _result(future, root, name: str, where: str) -> np.ndarray:
+    """A tensorstore read's values; a missing or undecodable chunk raised as one StoreError line."""
+    try:
+        return np.asarray(future.result())
+    except ValueError as err:  # tensorstore: NOT_FOUND (a missing chunk), FAILED_PRECONDITION (truncated)
+        raise StoreError(f"token store at {root}: cannot read {name}{where}: {str(err).splitlines()[0]}; "
+                         "the store is damaged: copy or prepare it again") from None
+
+
+def verify_array(root, name: str, entry: dict, strict: bool = True) -> str | None:
     """Recompute one array's digest from storage; None when it matches, else the problem."""
     try:
-        store = open_array(root, name)
+        store = open_array(root, name, strict=strict)
     except StoreError as err:
         return str(err)
     shape = list(store.shape)
@@ -179,11 +211,14 @@ def verify_array(root, name: str, entry: dict) -> str | None:
         return f"{name}: shape/dtype {shape} {store.dtype} differ from the manifest's"
     size = int(np.prod(shape)) if shape else 1
     blocks = []
-    for start in range(0, max(size, 1), DIGEST_BLOCK):
-        stop = min(start + DIGEST_BLOCK, size)
-        part = np.asarray(store[start:stop].read().result()) if len(shape) == 1 else \
-            np.asarray(store.read().result()).reshape(-1)[start:stop]
-        blocks.append(block_digest(part))
+    try:
+        for start in range(0, max(size, 1), DIGEST_BLOCK):
+            stop = min(start + DIGEST_BLOCK, size)
+            part = _read(store[start:stop], root, name, "") if len(shape) == 1 else \
+                _read(store, root, name, "").reshape(-1)[start:stop]
+            blocks.append(block_digest(part))
+    except StoreError as err:
+        return str(err)
     if combine_digests(entry["dtype"], shape, blocks) != entry["sha256"]:
         return f"{name}: digest mismatch"
     return None
@@ -271,11 +306,96 @@ def verify_store(root) -> dict:
     """Recompute every array digest and the store digest; return the manifest or raise StoreError."""
     manifest = read_manifest(root)
     problems = [p for name, entry in sorted(manifest["arrays"].items())
-                if (p := verify_array(root, name, entry))]
+                if (p := verify_array(root, name, entry, every_chunk_stored(manifest, name)))]
     if store_digest(manifest) != manifest["store_digest"]:
         problems.append("store_digest does not match the manifest's content")
     if problems:
         raise StoreError(f"token store at {root} fails verification: " + "; ".join(problems))
+    return manifest
+
+
+# Cheap checks before training (every open) ----------------------------------------------------------
+CHUNK_PREFIX = "c/"  # zarr3 default chunk key encoding of a 1-D array: c/<chunk index>
+
+
+def token_chunks(root) -> dict:
+    """The token array's stored chunk objects: {"grid": chunks its shape needs, "objects": {index: bytes
+    | None}} from one listing (bytes from the local folder; None on gs://, whose listing here carries
+    no sizes). `sharded` stores list their shard objects (2**22 tokens each)."""
+    url = array_url(root, "tokens")
+    try:
+        meta = json.loads(gcs.read_text(gcs.join(url, "zarr.json")))
+    except FileNotFoundError as err:
+        raise StoreError(f"token store at {root}: the token array is missing ({url}/zarr.json)") from err
+    except ValueError as err:
+        raise StoreError(f"token store at {root}: {url}/zarr.json is damaged: {err}") from None
+    size, chunk = int(meta["shape"][0]), int(meta["chunk_grid"]["configuration"]["chunk_shape"][0])
+    objects: dict[int, int | None] = {}
+    if gcs.is_gcs(url):
+        prefix = gcs.join(url, CHUNK_PREFIX)
+        for name in gcs.list_files(prefix):
+            key = name[len(prefix.rstrip("/")) + 1:]
+            if key.isdigit():
+                objects[int(key)] = None
+    else:
+        import os
+
+        folder = gcs.join(url, CHUNK_PREFIX)
+        if os.path.isdir(folder):
+            with os.scandir(folder) as entries:
+                for entry in entries:
+                    if entry.name.isdigit():
+                        objects[int(entry.name)] = entry.stat().st_size
+    return {"grid": -(-size // chunk), "objects": objects}
+
+
+def chunk_record(root, listed: dict | None = None) -> dict:
+    """What `smelt data prepare` records of the written token chunks (manifest arrays.tokens.chunks):
+    their count and, for a local store, their total size in bytes (`listed`: a `token_chunks` result)."""
+    listed = (listed or token_chunks(root))["objects"]
+    sizes = list(listed.values())
+    return {"objects": len(listed), "bytes": None if None in sizes else int(sum(sizes))}
+
+
+def _missing_text(missing: list[int]) -> str:
+    shown = ", ".join(f"{CHUNK_PREFIX}{i}" for i in missing[:5])
+    return shown + (f", ... ({len(missing) - 5} more)" if len(missing) > 5 else "")
+
+
+def check_store(root, manifest: dict | None = None) -> dict:
+    """The checks every open of a store makes before training reads it (StoreError if one fails):
+
+    - the manifest's `store_digest` is the digest of its content (an edited manifest is refused);
+    - every chunk object of the token array is present (one listing: a partial copy is refused);
+    - the chunk count and, locally, their total bytes equal what prepare recorded (truncated or
+      rewritten chunks are refused).
+
+    Cost: one listing of the token chunks, no data read. A 10B-token store in the `chunks` layout
+    (2**16 tokens per object) has 152,588 chunk objects: 153 list pages of 1000 on gs://, or one local
+    directory scan with one stat per chunk (docs/data-prepare.md gives the measured time). The full
+    re-hash stays in `verify_store` (`smelt data store-info --verify`). Returns the manifest."""
+    manifest = manifest if manifest is not None else read_manifest(root)
+    if store_digest(manifest) != manifest.get("store_digest"):
+        raise StoreError(f"token store at {root}: the manifest's store_digest "
+                         f"{str(manifest.get('store_digest'))[:16]} is not the digest of its content "
+                         f"({store_digest(manifest)[:16]}): the manifest was edited or damaged; prepare "
+                         "the store again")
+    listed = token_chunks(root)
+    missing = sorted(set(range(listed["grid"])) - set(listed["objects"]))
+    if missing:
+        raise StoreError(f"token store at {root}: {len(missing)} of {listed['grid']} token chunks are "
+                         f"missing ({_missing_text(missing)} under {array_url(root, 'tokens')}): a partial "
+                         "copy? copy or prepare the store again")
+    recorded = manifest["arrays"]["tokens"].get("chunks")
+    if recorded:
+        found = chunk_record(root, listed)
+        if found["objects"] != recorded["objects"]:
+            raise StoreError(f"token store at {root}: {found['objects']} token chunk objects, the manifest "
+                             f"records {recorded['objects']}; copy or prepare the store again")
+        if None not in (found["bytes"], recorded.get("bytes")) and found["bytes"] != recorded["bytes"]:
+            raise StoreError(f"token store at {root}: the token chunks hold {found['bytes']:,} bytes, the "
+                             f"manifest records {recorded['bytes']:,}: truncated or rewritten chunks; copy "
+                             "or prepare the store again")
     return manifest
 
 
@@ -293,10 +413,11 @@ def load_store_tokenizer(root, manifest: dict):
 
 # Reading --------------------------------------------------------------------------------------------
 class TokenArray:
-    """The flat token array: `take(positions)` reads just the covering ranges (concurrently)."""
+    """The flat token array: `take(positions)` reads just the covering ranges (concurrently); a chunk
+    that is missing or does not decode is a StoreError, never zeros."""
 
-    def __init__(self, store) -> None:
-        self.store = store
+    def __init__(self, store, root="") -> None:
+        self.store, self.root = store, root
         self.size = int(store.shape[0])
         self.dtype = np.dtype(store.dtype.numpy_dtype)
 
@@ -314,12 +435,12 @@ class TokenArray:
         futures = [self.store[int(unique[a]):int(unique[b - 1]) + 1].read() for a, b in zip(first, last)]
         values = np.empty(unique.size, dtype=self.dtype)
         for (a, b), future in zip(zip(first, last), futures):
-            chunk = np.asarray(future.result())
+            chunk = _result(future, self.root, "tokens", f" {unique[a]}..{unique[b - 1]}")
             values[a:b] = chunk[unique[a:b] - unique[a]]
         return values[np.searchsorted(unique, flat)].reshape(positions.shape)
 
     def read(self, start: int, stop: int) -> np.ndarray:
-        return np.asarray(self.store[start:stop].read().result())
+        return _read(self.store[start:stop], self.root, "tokens", f" {start}..{stop - 1}")
 
 
 class SplitTokens:
@@ -361,23 +482,25 @@ class SplitTokens:
 class TokenStore:
     """A prepared token store opened read-only (local folder or gs://).
 
-    `expect_tokenizer` (a sha256) refuses a store prepared with another tokenizer; `verify=True`
-    recomputes every digest first. `cache_bytes` sizes tensorstore's chunk cache (decompressed chunks
+    Every open runs `check_store` (the manifest's digest, every token chunk present, their recorded count
+    and size: one listing, no data read); `expect_tokenizer` (a sha256) refuses a store prepared with
+    another tokenizer; `verify=True` also recomputes every digest first. `cache_bytes` sizes tensorstore's chunk cache (decompressed chunks
     shared by all reads of this store).
     """
 
     def __init__(self, root, *, verify: bool = False, expect_tokenizer: str | None = None,
                  cache_bytes: int = 256 << 20) -> None:
         self.root = gcs.normalize(root)
-        self.manifest = verify_store(self.root) if verify else read_manifest(self.root)
+        self.manifest = check_store(self.root, verify_store(self.root) if verify else None)
         record = self.manifest["tokenizer"]
         if expect_tokenizer and record["sha256"] != expect_tokenizer:
             raise StoreError(f"token store at {root} was prepared with tokenizer {record['sha256'][:16]} "
                              f"(vocab {record['vocab_size']}), expected {expect_tokenizer[:16]}; prepare "
                              "it again with the expected tokenizer")
         self.tokenizer = load_store_tokenizer(self.root, self.manifest)
-        self.tokens = TokenArray(open_array(self.root, "tokens", cache_bytes=cache_bytes))
-        self.doc_offsets = read_array(self.root, "doc_offsets").astype(np.int64)
+        self.tokens = TokenArray(open_array(self.root, "tokens", cache_bytes=cache_bytes), self.root)
+        self._strict = every_chunk_stored(self.manifest, "doc_offsets")
+        self.doc_offsets = read_array(self.root, "doc_offsets", self._strict).astype(np.int64)
         arrays = self.manifest["arrays"]
         if (self.tokens.size != arrays["tokens"]["shape"][0]
                 or self.doc_offsets.size != arrays["doc_offsets"]["shape"][0]
@@ -397,7 +520,8 @@ class TokenStore:
     def document_ids(self, source: str, split: str) -> np.ndarray:
         if source not in self._names or split not in SPLITS:
             raise UnknownName(f"no split {source}.{split}; sources are {list(self.sources)}, splits {SPLITS}")
-        return read_array(self.root, f"by_source/{self._names.index(source):04d}/{split}").astype(np.int64)
+        return read_array(self.root, f"by_source/{self._names.index(source):04d}/{split}",
+                          self._strict).astype(np.int64)
 
     def split(self, source: str, split: str) -> SplitArrays:
         key = (source, split)

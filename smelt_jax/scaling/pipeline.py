@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -67,9 +70,21 @@ def fit_table(table: pd.DataFrame, law_name: str, *, method: str = "huber", n_bo
     return coefficients, boot
 
 
+def read_input(path) -> pd.DataFrame:
+    """An input table (io.read_table); an empty or unparsable file is one UsageError line."""
+    try:
+        return io.read_table(path)
+    except pd.errors.EmptyDataError:
+        raise UsageError(f"{path}: empty file (no header, no rows)") from None
+    except pd.errors.ParserError as err:
+        raise UsageError(f"{path}: not a CSV table ({str(err).splitlines()[0]})") from None
+
+
 def fit_to_dir(input_path, law_name: str, out_dir, *, arch: str | None = None, method: str = "huber",
-               n_bootstrap: int = 0, seed: int = 0) -> dict:
-    table = io.read_table(input_path)
+               n_bootstrap: int = 0, seed: int = 0, recorded_input=None) -> dict:
+    """Fit `input_path` into `out_dir`; coefficients.json records `recorded_input` (default the path)
+    as its input."""
+    table = read_input(input_path)
     if arch is not None:
         if "arch" not in table.columns:
             raise UsageError(f"{input_path}: --arch given but the table has no 'arch' column")
@@ -78,7 +93,7 @@ def fit_to_dir(input_path, law_name: str, out_dir, *, arch: str | None = None, m
             raise UsageError(f"{input_path}: no rows with arch == {arch!r}")
     table = io.validate(table, law_name, str(input_path))
     coefficients, boot = fit_table(table, law_name, method=method, n_bootstrap=n_bootstrap, seed=seed)
-    coefficients.update({"input": str(input_path), "arch": arch})
+    coefficients.update({"input": str(recorded_input or input_path), "arch": arch})
     out_dir = Path(out_dir)
     write_json(out_dir / "coefficients.json", coefficients)
     sort_cols = [c for c in LAWS[law_name].columns if c in table.columns]
@@ -280,25 +295,89 @@ def suite_protocol(out_dir) -> dict:
     return {**DEFAULT_PROTOCOL, **given}
 
 
+# What each results-store column used by the fit must hold: (check, what it says when it fails).
+_ENDPOINT_VALUES = {
+    "flops_per_token": (lambda v: v > 0, "> 0"), "tokens": (lambda v: v > 0, "> 0"),
+    "sparsity": (lambda v: 0 <= v < 1, "in [0, 1)"), "val_loss": (lambda v: v > 0, "> 0"),
+}
+
+
+def check_endpoint_rows(results: pd.DataFrame, where: str) -> None:
+    """UsageError naming the run and branch of every endpoint row (up to 5) whose fitted columns are
+    not finite numbers in range: the row to fix or retrain, not a row number of points.csv."""
+    bad = []
+    values = {column: pd.to_numeric(results[column], errors="coerce").to_numpy(float)
+              for column in _ENDPOINT_VALUES}
+    for i in range(len(results)):
+        for column, (ok, rule) in _ENDPOINT_VALUES.items():
+            value = values[column][i]
+            if not (math.isfinite(value) and ok(value)):
+                row = results.iloc[i]
+                bad.append(f"run {row['run_id']} branch {row['branch']}: {column}={row[column]!r} "
+                           f"(must be a finite number {rule})")
+                break
+    if bad:
+        more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
+        raise UsageError(f"{where}: {len(bad)} endpoint row(s) cannot be fitted: " + "; ".join(bad[:5]) + more
+                         + "; fix their endpoint.json or retrain them, then `smelt results collect` and "
+                         "`smelt results export`")
+
+
+def read_suite_results(out_dir) -> pd.DataFrame:
+    """`out_dir/results.csv` checked: the store's columns, and every endpoint row fittable."""
+    path = Path(out_dir) / "results.csv"
+    if not path.exists():
+        raise MissingInput(f"{out_dir}: no results.csv (write it with `smelt results export --suite SUITE`)")
+    results = endpoints.check_table(read_input(path), str(path))
+    check_endpoint_rows(results, str(path))
+    return results
+
+
 def fit_suite_table(out_dir) -> list[Path]:
     """A trained suite's endpoints (`out_dir/results.csv`, the results store's rows) -> the law's input
     (`points.csv`: sparse endpoints), the smelt law fitted per architecture into baseline/ and smelt/
     with the folder's bootstrap protocol (`fit.json`), the pair's CE-gain tables and figures over the
     fitted compute range (`gain_grid`), the endpoint tables (`write_endpoint_tables`) and the tables of
-    the folder's other inputs (`suite_extras`)."""
+    the folder's other inputs (`suite_extras`).
+
+    All or nothing: the folder is copied to a staging sibling, written there, and swapped in (two
+    renames) only when every step succeeded; on any error the folder is left as it was."""
     out_dir = Path(out_dir)
     protocol = suite_protocol(out_dir)
-    results = endpoints.check_table(pd.read_csv(out_dir / "results.csv"), str(out_dir / "results.csv"))
+    results = read_suite_results(out_dir)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.fitting-", dir=out_dir.parent))
+    try:
+        os.chmod(staging, 0o777 & ~_umask())
+        shutil.copytree(out_dir, staging, dirs_exist_ok=True, symlinks=True)
+        paths = _fit_suite_into(staging, out_dir, results, protocol)
+        trash = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
+        os.replace(out_dir, trash / out_dir.name)
+        os.replace(staging, out_dir)
+        shutil.rmtree(trash, ignore_errors=True)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return [out_dir / path.relative_to(staging) for path in paths]
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _fit_suite_into(folder: Path, out_dir: Path, results: pd.DataFrame, protocol: dict) -> list[Path]:
+    """`fit_suite_table`'s steps, written into `folder` (recording `out_dir` as the fits' input)."""
     points = endpoints.fit_points(results)
-    points.to_csv(out_dir / "points.csv", index=False, float_format="%.8g")
+    points.to_csv(folder / "points.csv", index=False, float_format="%.8g")
     for arch in ("baseline", "smelt"):
-        fit_to_dir(out_dir / "points.csv", "smelt", out_dir / arch, arch=arch,
-                   n_bootstrap=protocol["bootstrap_draws"], seed=protocol["seed"])
+        fit_to_dir(folder / "points.csv", "smelt", folder / arch, arch=arch,
+                   n_bootstrap=protocol["bootstrap_draws"], seed=protocol["seed"],
+                   recorded_input=out_dir / "points.csv")
     computes, sparsities = gain_grid(points)
-    write_json(out_dir / "pair.json", {"reference": "baseline", "target": "smelt",
-                                       "compute": computes, "sparsity": sparsities})
-    return ([out_dir / "points.csv"] + write_tables(out_dir) + write_endpoint_tables(out_dir, results)
-            + suite_extras(out_dir))
+    write_json(folder / "pair.json", {"reference": "baseline", "target": "smelt",
+                                      "compute": computes, "sparsity": sparsities})
+    return ([folder / "points.csv"] + write_tables(folder) + write_endpoint_tables(folder, results)
+            + suite_extras(folder))
 
 
 def suite_extras(out_dir) -> list[Path]:
@@ -360,5 +439,6 @@ def fits_all(root="fits", chinchilla_draws: int = 4000) -> list[Path]:
     root = Path(root)
     paths = write_paper_fits(root / "paper") + write_chinchilla_fits(root / "chinchilla", chinchilla_draws)
     for table in sorted(root.glob("*/results.csv")):
-        paths += fit_suite_table(table.parent)
+        if not table.parent.name.startswith("."):  # a staging folder left by a killed fit-suite
+            paths += fit_suite_table(table.parent)
     return paths

@@ -29,6 +29,8 @@ class CollectReport:
     suite: str
     endpoints: int   # endpoint.json files found
     appended: int    # rows that were missing from the store
+    problems: tuple[str, ...] = ()  # one line per endpoint file that could not be collected
+    set_aside: str = ""  # where a damaged results.parquet went before the table was rebuilt
 
 
 def _read_row(text: str, where) -> dict:
@@ -43,38 +45,54 @@ def _read_row(text: str, where) -> dict:
     return row
 
 
-def endpoint_result(row: dict):
-    """The `EndpointResult` an endpoint.json row describes (loss_<source> keys -> losses_by_source)."""
+def endpoint_result(row: dict, where="endpoint row"):
+    """The `EndpointResult` an endpoint.json row describes (loss_<source> keys -> losses_by_source);
+    a row with missing or bad fields is a UsageError naming `where` (the file)."""
     from smelt_jax.results import FIXED_COLUMNS, LOSS_PREFIX, EndpointResult
-    missing = [c for c in ("run_id", "branch") if c not in row]
+    optional = {f.name for f in dataclasses.fields(EndpointResult)
+                if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING}
+    missing = [c for c in FIXED_COLUMNS if c not in row and c not in optional]
     if missing:
-        raise UsageError(f"endpoint row lacks {missing}: {sorted(row)}")
+        raise UsageError(f"{where}: endpoint file lacks {', '.join(missing)}; fix or delete it and retrain "
+                         "that branch")
     fields = {k: v for k, v in row.items() if k in FIXED_COLUMNS}
     losses = {k[len(LOSS_PREFIX):]: v for k, v in row.items() if k.startswith(LOSS_PREFIX)}
-    return EndpointResult(**fields, losses_by_source=losses)
+    try:
+        return EndpointResult(**fields, losses_by_source=losses)
+    except (UsageError, TypeError) as err:
+        raise UsageError(f"{where}: {err}; fix or delete it and retrain that branch") from None
 
 
-def _append_missing(suite: str, rows: list[dict], store_root: Path) -> int:
+def _append_missing(suite: str, found: list[tuple[str, str]], store_root: Path) -> CollectReport:
     """Append the rows missing from the store; then rewrite the CSV from the parquet table, so a
-    truncated or stale results.csv is repaired even when nothing was missing."""
-    from smelt_jax.results import append_result, rewrite_csv
+    truncated or stale results.csv is repaired even when nothing was missing. `found`: (where, the
+    file's text) per endpoint file. A damaged results.parquet is set aside and rebuilt from every
+    endpoint file; a file that does not parse or holds a bad row is reported and the rest collected."""
+    from smelt_jax.results import append_result, rewrite_csv, set_aside_damaged
+    folder = results_dir(suite, store_root)
+    aside = set_aside_damaged(folder)
     stored = stored_endpoint_keys(suite, store_root)
-    appended = 0
-    for row in rows:
-        if (row.get("run_id"), row.get("branch")) not in stored:
-            append_result(endpoint_result(row), results_dir(suite, store_root))
+    appended, problems = 0, []
+    for where, text in found:
+        try:
+            row = _read_row(text, where)
+            result = endpoint_result(row, where)
+        except UsageError as err:
+            problems.append(str(err))
+            continue
+        if (result.run_id, result.branch) not in stored:
+            append_result(result, folder)
             appended += 1
     if not appended:
-        rewrite_csv(results_dir(suite, store_root))
-    return appended
+        rewrite_csv(folder)
+    return CollectReport(suite, len(found), appended, tuple(problems), str(aside or ""))
 
 
 def collect_suite(suite: str, root: Path | None = None) -> CollectReport:
     """Appends the missing endpoint rows of one suite under a local runs root."""
     root = Path(root) if root is not None else runs_root()
     files = sorted((root / suite).glob(ENDPOINT_GLOB))
-    rows = [_read_row(path.read_text(), path) for path in files]
-    return CollectReport(suite, len(files), _append_missing(suite, rows, root))
+    return _append_missing(suite, [(str(path), path.read_text()) for path in files], root)
 
 
 def _bucket_endpoints(root: str, suite: str | None = None) -> list[str]:
@@ -93,9 +111,9 @@ def _bucket_endpoints(root: str, suite: str | None = None) -> list[str]:
     return sorted(found)
 
 
-def _bucket_rows(root: str, suite: str) -> list[dict]:
+def _bucket_files(root: str, suite: str) -> list[tuple[str, str]]:
     from smelt_jax.data import gcs
-    return [_read_row(gcs.read_text(url), url) for url in _bucket_endpoints(root, suite)]
+    return [(url, gcs.read_text(url)) for url in _bucket_endpoints(root, suite)]
 
 
 def collect(root: str | Path | None = None, suites: list[str] | None = None,
@@ -109,11 +127,7 @@ def collect(root: str | Path | None = None, suites: list[str] | None = None,
             suites = sorted({url[len(base):].split("/", 1)[0] for url in _bucket_endpoints(root_text)})
         from smelt_jax.rundir import as_path
         store = as_path(store_root) if store_root is not None else runs_root()
-        reports = []
-        for suite in suites:
-            rows = _bucket_rows(root_text, suite)
-            reports.append(CollectReport(suite, len(rows), _append_missing(suite, rows, store)))
-        return reports
+        return [_append_missing(suite, _bucket_files(root_text, suite), store) for suite in suites]
     if "://" in root_text:
         raise UsageError(f"unsupported runs root {root_text!r}: a local path or gs://")
     local = Path(root_text)
