@@ -166,3 +166,18 @@ def test_a_read_only_runs_folder_can_be_read(runs, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "4 in the results store" in result.stdout and f"{len(keys)} endpoint rows" in result.stdout
     assert len(pd.read_csv(out)) == len(keys)
+
+
+def test_a_local_sweep_names_an_endpoint_it_cannot_collect_once(tmp_path, capsys):
+    """The local backend's collection reports a damaged endpoint.json on stderr (once per sweep) instead
+    of dropping it silently."""
+    from smelt_jax.sweep.local import _collect
+
+    bad = tmp_path / "smoke" / "smoke-xs-s85-baseline-00000000" / "branch0" / "endpoint.json"
+    bad.parent.mkdir(parents=True)
+    bad.write_text("{not json")
+    reported: set[str] = set()
+    _collect("smoke", tmp_path, reported)
+    _collect("smoke", tmp_path, reported)
+    err = capsys.readouterr().err
+    assert err.count("not collected") == 1 and str(bad) in err

@@ -68,6 +68,15 @@ class LocalSettings:
         return Path(self.root) if self.root is not None else runs_root()
 
 
+def _collect(suite: str, root: Path, reported: set[str]) -> None:
+    """Collects the suite's endpoint rows; an endpoint file that cannot be collected (damaged, NaN) is
+    named on stderr once per sweep, and its branch stays done on disk: fix or delete the file."""
+    for problem in collect_suite(suite, root).problems:
+        if problem not in reported:
+            reported.add(problem)
+            print(f"sweep {suite}: not collected: {problem}", file=sys.stderr)
+
+
 def sweep_dir(suite: str, root: Path) -> Path:
     return root / suite / ".sweep"
 
@@ -186,7 +195,8 @@ def _sweep(graph: JobGraph, settings: LocalSettings, root: Path) -> dict[str, Jo
         if entry.get("status") == "running" and name not in adopted:
             entry["status"] = "interrupted"
 
-    collect_suite(suite, root)  # rows lost between endpoint.json and the store's append
+    reported: set[str] = set()
+    _collect(suite, root, reported)  # rows lost between endpoint.json and the store's append
     statuses = artifact_statuses(graph, root)
     procs: dict[str, tuple[subprocess.Popen, object]] = {}
     failed: set[str] = set()
@@ -245,7 +255,7 @@ def _sweep(graph: JobGraph, settings: LocalSettings, root: Path) -> dict[str, Jo
             slots = settings.parallel - len(procs) - len(adopted)
             if changed or (slots > 0 and time.monotonic() - last_refresh > REFRESH_SECONDS):
                 if changed:
-                    collect_suite(suite, root)
+                    _collect(suite, root, reported)
                 done = frozenset(n for n, s in statuses.items() if s == JobStatus.DONE)
                 statuses = artifact_statuses(graph, root, known_done=done)
                 last_refresh = time.monotonic()
