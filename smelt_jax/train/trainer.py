@@ -442,10 +442,9 @@ def _train_phase(run: RunSpec, branch: int | None, rd: RunDir, root: Path | None
 
     progress = None
     if options.progress and is_writer:
-        from tqdm.auto import tqdm
-        progress = tqdm(total=end - first, initial=step - first, unit="step",
-                        desc=f"{run.id} {'stable' if branch is None else f'branch{branch}'}",
-                        file=sys.stderr, dynamic_ncols=True)
+        from smelt_jax.progress import progress_bar  # tqdm on a terminal, else a line per log
+        progress = progress_bar(end - first, initial=step - first, unit="step",
+                                desc=f"{run.id} {'stable' if branch is None else f'branch{branch}'}")
     iterator = pipeline.iterator(step, stop_at - step)
     logged = None
     # Only process 0 writes metrics; the others log into the void.
