@@ -66,7 +66,8 @@ def cmd_train(args) -> int:
     profile = parse_profile(args.profile)
     options = TrainOptions(log_every=args.log_every, checkpoint_every=args.checkpoint_every,
                            eval_every=args.eval_every, stop_after=args.stop_after,
-                           progress=not args.quiet, profile=profile, tensorboard=not args.no_tensorboard)
+                           progress=not args.quiet, profile=profile, tensorboard=not args.no_tensorboard,
+                           wandb=args.wandb or "")
     import experiments
     run = apply_overrides(experiments.find_run(args.id), args.override or [])
     if args.branch is not None and not 0 <= args.branch < len(run.schedule.fork_steps):
@@ -142,6 +143,9 @@ def register(subparsers) -> None:
                         "the first one this process runs (it compiles), or of steps START..STOP-1")
     p.add_argument("--no-tensorboard", action="store_true",
                    help="no TensorBoard event files in <phase>/tensorboard/")
+    p.add_argument("--wandb", metavar="PROJECT",
+                   help="also log to this Weights & Biases project (pip install 'smelt_jax[wandb]'; "
+                        "WANDB_MODE=offline keeps it in local files)")
     p.add_argument("--layout", help="mesh sizes, e.g. data=-1,fsdp=8,expert=4 (default: the run's)")
     p.add_argument("--remat", choices=("none", "full", "dots", "dots_no_batch"),
                    help="rematerialisation policy (default: the run's layout)")
