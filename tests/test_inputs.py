@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
 
 from smelt_jax.cli import main
 from smelt_jax.data.input_checks import VAL_TOKENS_WARNING, no_documents_message, validation_warning
