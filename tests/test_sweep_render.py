@@ -342,3 +342,38 @@ def test_sweep_cli_passes_capacity_and_queue(tmp_path, capsys):
     assert main(["sweep", "submit", "--suite", "smoke", "--backend", "xpk", "--out", str(out),
                  "--reservation", "r1"]) == 2
     assert "needs --capacity reserved" in capsys.readouterr().err
+
+
+@pytest.mark.integration
+def test_tpu_vm_cancel_waits_for_the_trap_then_deletes_what_is_left(tmp_path):
+    """cancel kills the running loop and waits for it (its trap deletes the slice), so the cancel's
+    own delete does not race it; with no loop running it deletes the slice itself."""
+    import time
+    graph, jobs = golden_jobs()
+    out = tmp_path / "out"
+    settings = dataclasses.replace(SETTINGS, out_dir=out)
+    backend = TpuVmBackend(settings)
+    env, state = fake_gcloud_env(tmp_path, ["hang"])
+    (out / "logs").mkdir(parents=True)
+    script = tmp_path / "job.sh"
+    script.write_text(job_script(graph, jobs[1], settings))
+    proc = subprocess.Popen(["bash", str(script)], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    (out / "logs" / f"{jobs[1].name}.pid").write_text(f"{proc.pid}\n")
+    import threading
+    reaper = threading.Thread(target=proc.wait)  # reaps it at once, as init reaps a nohup job
+    reaper.start()
+    deadline = time.monotonic() + 30
+    while not (state / "ssh.pid").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    (command,) = backend.cancel(graph, [jobs[1].name])
+    done = subprocess.run(["bash", "-c", command], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    reaper.join(timeout=10)
+    assert proc.returncode == 143
+    calls = (state / "calls").read_text().splitlines()
+    assert sum("queued-resources delete" in c for c in calls) == 1  # the trap's; cancel saw it gone
+    assert not (state / "slice").exists()
+    (state / "slice").touch()  # a slice without a loop: cancel deletes it
+    assert subprocess.run(["bash", "-c", command], env=env, timeout=60).returncode == 0
+    assert not (state / "slice").exists()

@@ -194,12 +194,19 @@ class TpuVmBackend:
 
     def cancel(self, graph: JobGraph, names: list[str] | None = None, *,
                execute: bool = False) -> list[str]:
-        """Stops the retry loop first (else it would recreate the slice), then deletes the slice."""
+        """Stops the retry loop first (else it would recreate the slice) and waits for it: its EXIT
+        trap deletes the slice. Then deletes the slice if it is still there (no loop was running, or
+        its delete failed)."""
         s = self.settings
+        where = [f"--project={s.project}", f"--zone={s.zone}"]
         commands = [
-            f"kill \"$(cat {self._out('logs', job.name + '.pid')})\" 2>/dev/null; "
-            + quote(["gcloud", "compute", "tpus", "queued-resources", "delete", job.name,
-                     f"--project={s.project}", f"--zone={s.zone}", "--force", "--quiet"])
+            f"pid=\"$(cat {self._out('logs', job.name + '.pid')} 2>/dev/null)\"; "
+            "if [ -n \"$pid\" ] && kill \"$pid\" 2>/dev/null; then "
+            "while kill -0 \"$pid\" 2>/dev/null; do sleep 1; done; fi; "
+            "if " + quote(["gcloud", "compute", "tpus", "queued-resources", "describe", job.name, *where])
+            + " >/dev/null 2>&1; then "
+            + quote(["gcloud", "compute", "tpus", "queued-resources", "delete", job.name, *where,
+                     "--force", "--quiet"]) + "; fi"
             for job in graph.select(names)]
         if execute:
             execute_ready([PlannedJob(f"cancel-{i}", (c,)) for i, c in enumerate(commands)],
