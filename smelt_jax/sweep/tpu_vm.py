@@ -103,7 +103,7 @@ cleanup() {{  # EXIT trap: stop the ssh, delete the slice if it is still there, 
   fi
   if [ "$(state)" != MISSING ]; then
     echo "$QR: deleting the slice (exit $rc)" >&2
-    delete_slice || echo "$QR: could not delete the slice; delete it by hand:" \
+    delete_slice || echo "$QR: could not delete the slice; delete it by hand:" \\
       "gcloud compute tpus queued-resources delete $QR {where} --force" >&2
   fi
   exit "$rc"

@@ -26,7 +26,8 @@ cleanup() {  # EXIT trap: stop the ssh, delete the slice if it is still there, k
   fi
   if [ "$(state)" != MISSING ]; then
     echo "$QR: deleting the slice (exit $rc)" >&2
-    delete_slice || echo "$QR: could not delete the slice; delete it by hand:"       "gcloud compute tpus queued-resources delete $QR --project=smelt-proj --zone=us-east5-a --force" >&2
+    delete_slice || echo "$QR: could not delete the slice; delete it by hand:" \
+      "gcloud compute tpus queued-resources delete $QR --project=smelt-proj --zone=us-east5-a --force" >&2
   fi
   exit "$rc"
 }
