@@ -248,3 +248,88 @@ def test_analyses_end_to_end_on_the_trained_looped_model(trained, tmp_path):
     paths = ra.write_tables(tables, tmp_path / "out")
     assert len(paths) == len(tables)
     assert pd.read_csv(tmp_path / "out" / "routing_overlap.csv").shape == overlap.shape
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Cheap defaults and the estimate printed before an evaluation (issue 26 E)
+
+
+def _eval_args(*argv):
+    from smelt_jax.cli import build_parser
+    return build_parser().parse_args(["eval", "some-run", *argv])
+
+
+def test_eval_defaults_are_cheap():
+    """Dyck (0/1/4/32 shots x 64 at --max-len 4096) took 15 min and 11 GB on a smoke model: it runs
+    only when asked, and texts stop at the run's training context."""
+    from smelt_jax.cli.eval import parse_shots
+    args = _eval_args()
+    assert parse_shots(args.dyck_shots) == ()
+    assert args.max_len is None and ev.effective_max_len(args.max_len, 256) == 256
+    assert parse_shots(_eval_args("--dyck-shots", "0", "1", "4", "32").dyck_shots) == ev.DEFAULT_DYCK_SHOTS
+    assert ev.effective_max_len(512, 256) == 512
+
+
+def test_estimate_counts_the_passes_the_evaluation_runs(trained, monkeypatch):
+    """The estimate's Dyck widths are the ones the scorer pads to, batch by batch; its validation
+    batches are the ValidationSets'."""
+    from smelt_jax.analysis.eval_estimate import estimate_eval
+    from smelt_jax.data.pipeline import validation_sets
+    run, root, corpus = trained
+    model = ev.load_model(run.id, root=root).model
+    kwargs = dict(seq_len=32, eval_tokens=256, dyck_shots=(0, 4), dyck_examples=5, max_len=128, batch_size=2)
+    estimate = estimate_eval(MODEL, corpus, rate=1e10, **kwargs)
+    used = []
+    real = ev._padded_length
+    monkeypatch.setattr(ev, "_padded_length", lambda n, limit: used.append(real(n, limit)) or used[-1])
+    ev.evaluate_model(model, corpus, **kwargs)
+    sets = validation_sets(corpus, batch_size=2, seq_len=32, max_tokens=256, host_index=0, host_count=1)
+    assert estimate.validation_passes == sum(len(v) for v in sets.values()) > 0
+    assert estimate.dyck_passes == len(used) == 2 * 3  # 5 examples in chunks of 2, per shot count
+    assert set(estimate.widths) == set(used) | {32}
+    assert estimate.tokens == 2 * (32 * estimate.validation_passes + sum(used))
+    assert estimate.programs == 1 + len(set(used))
+    assert "estimated ~" in estimate.line() and "GB peak memory" in estimate.line()
+    cheap = estimate_eval(MODEL, corpus, rate=1e10, **{**kwargs, "dyck_shots": ()})
+    assert cheap.dyck_passes == 0 and cheap.seconds < estimate.seconds
+
+
+def test_estimate_flags_the_old_defaults_on_a_smoke_model():
+    """On the smoke model the issue measured (2.5M parameters): the default evaluation is estimated
+    under 1 GB; the old one (Dyck at 0/1/4/32 shots, 4096 tokens) at several GB and far longer."""
+    import experiments
+    from smelt_jax.analysis.eval_estimate import estimate_eval
+    cfg = experiments.find_run("smoke-xs-s85-baseline-e0d473e7").model
+    new = estimate_eval(cfg, seq_len=256, eval_tokens=16_384, dyck_shots=(), dyck_examples=64,
+                        max_len=None, batch_size=8, rate=5e10)
+    old = estimate_eval(cfg, seq_len=256, eval_tokens=16_384, dyck_shots=ev.DEFAULT_DYCK_SHOTS,
+                        dyck_examples=64, max_len=4096, batch_size=8, rate=5e10)
+    assert new.peak_bytes < 2**30 < 3 * 2**30 < old.peak_bytes
+    assert old.seconds > 10 * max(new.seconds, 1.0) and max(old.widths) >= 2048
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/status"), reason="reads /proc (Linux)")
+def test_smelt_eval_defaults_print_the_estimate_and_stay_small(trained, tmp_path):
+    """`smelt eval RUN` with defaults in a child process: the estimate on stderr before the tables,
+    no Dyck, and a peak RSS under 1 GB (the child's VmHWM; Linux)."""
+    import os
+    import subprocess
+    import sys
+    run, root, corpus = trained
+    # VmHWM: the peak RSS of the process since its exec (getrusage's ru_maxrss would also count the
+    # forked copy of this pytest process before the exec)
+    script = ("import sys; from smelt_jax.cli import main; "
+              f"code = main(['eval', {run.id!r}, '--runs-dir', {str(root)!r}, '--data-dir', "
+              f"{str(corpus.root)!r}, '--json']); "
+              "print(next(l for l in open('/proc/self/status') if l.startswith('VmHWM')), file=sys.stderr); "
+              "sys.exit(code)")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device, as a user has
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
+                          env={**env, "JAX_PLATFORMS": "cpu"})
+    assert proc.returncode == 0, proc.stderr
+    assert "estimated ~" in proc.stderr and "Dyck" not in proc.stderr.split("estimated")[0]
+    payload = json.loads(proc.stdout)
+    assert payload["dyck"] is None and payload["validation"]["overall"] > 0
+    peak_kib = int(proc.stderr.split("VmHWM:")[1].split()[0])
+    assert 0 < peak_kib * 1024 < 2**30, f"peak RSS {peak_kib / 1024:.0f} MiB"

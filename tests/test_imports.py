@@ -30,6 +30,7 @@ LAYERS: dict[str, int] = {
     "rundir": 0,
     "results": 0,
     "data": 0,
+    "progress": 0,  # tqdm on a terminal, plain lines elsewhere (trainer, local sweep)
     # 1 - compute kernels.
     "kernels": 1,
     # 2 - the model.

@@ -183,7 +183,7 @@ def test_submit_sends_only_ready_jobs(tmp_path, monkeypatch):
 FAKE_GCLOUD = """#!/usr/bin/env bash
 # Fake gcloud: one queued resource; `ssh` follows the outcomes listed in $D/outcomes, one per call.
 D="$FAKE_GCLOUD_DIR"
-echo "$1 $2 $3 $4" >> "$D/calls"
+echo "$*" >> "$D/calls"
 case "$*" in
   *"queued-resources describe"*) [ -f "$D/slice" ] && echo ACTIVE || exit 1 ;;
   *"queued-resources create"*) touch "$D/slice" ;;
@@ -192,24 +192,30 @@ case "$*" in
     outcome=$(head -n1 "$D/outcomes"); sed -i 1d "$D/outcomes"
     case "$outcome" in
       preempt) rm -f "$D/slice"; exit 255 ;;
+      hang) echo $$ > "$D/ssh.pid"; exec sleep 60 ;;
       *) exit "$outcome" ;;
     esac ;;
 esac
 """
 
 
-def run_script_with_fake_gcloud(tmp_path, outcomes):
-    graph, jobs = golden_jobs()
+def fake_gcloud_env(tmp_path, outcomes):
     bin_dir, state = tmp_path / "bin", tmp_path / "state"
     bin_dir.mkdir()
     state.mkdir()
     (bin_dir / "gcloud").write_text(FAKE_GCLOUD)
     (bin_dir / "gcloud").chmod(0o755)
     (state / "outcomes").write_text("\n".join(outcomes) + "\n")
-    script = tmp_path / "job.sh"
-    script.write_text(job_script(graph, jobs[1], SETTINGS))
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_GCLOUD_DIR": str(state),
            "SMELT_POLL_SECONDS": "0"}
+    return env, state
+
+
+def run_script_with_fake_gcloud(tmp_path, outcomes, settings=SETTINGS):
+    graph, jobs = golden_jobs()
+    env, state = fake_gcloud_env(tmp_path, outcomes)
+    script = tmp_path / "job.sh"
+    script.write_text(job_script(graph, jobs[1], settings))
     proc = subprocess.run(["bash", str(script)], check=False, env=env, capture_output=True, text=True, timeout=60)
     calls = (state / "calls").read_text().splitlines()
     return proc, calls, (state / "slice").exists()
@@ -228,3 +234,146 @@ def test_tpu_vm_loop_stops_on_a_real_failure(tmp_path):
     assert proc.returncode == 3
     assert sum("tpu-vm ssh" in c for c in calls) == 1
     assert "not retrying" in proc.stderr
+
+
+@pytest.mark.integration
+def test_tpu_vm_script_deletes_the_slice_when_the_trainer_fails(tmp_path):
+    """Issue 26 D: a trainer failure on a healthy slice used to exit with the slice still up."""
+    proc, calls, slice_left = run_script_with_fake_gcloud(tmp_path, ["3"])
+    assert proc.returncode == 3
+    assert not slice_left, "the slice stays up (and billed) after a trainer failure"
+    assert sum("queued-resources delete" in c for c in calls) == 1
+    assert "deleting the slice (exit 3)" in proc.stderr
+
+
+@pytest.mark.integration
+def test_tpu_vm_script_deletes_the_slice_when_it_gives_up(tmp_path):
+    settings = dataclasses.replace(SETTINGS, max_restarts=1)
+    proc, calls, slice_left = run_script_with_fake_gcloud(tmp_path, ["42", "42"], settings)
+    assert proc.returncode == 1 and "giving up after 1 restarts" in proc.stderr
+    assert sum("tpu-vm ssh" in c for c in calls) == 2
+    assert not slice_left
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("sig, code", [("TERM", 143), ("INT", 130), ("HUP", 129)])
+def test_tpu_vm_script_deletes_the_slice_when_killed(tmp_path, sig, code):
+    """`smelt sweep cancel` kills the script: the trap stops the ssh and deletes the slice at once."""
+    import signal
+    import time
+    graph, jobs = golden_jobs()
+    env, state = fake_gcloud_env(tmp_path, ["hang"])
+    script = tmp_path / "job.sh"
+    script.write_text(job_script(graph, jobs[1], SETTINGS))
+    proc = subprocess.Popen(["bash", str(script)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while not (state / "ssh.pid").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert (state / "slice").exists()
+    started = time.monotonic()
+    proc.send_signal(getattr(signal, f"SIG{sig}"))
+    _, err = proc.communicate(timeout=30)
+    assert time.monotonic() - started < 20  # not after the 60 s ssh
+    assert proc.returncode == code, err
+    assert not (state / "slice").exists()
+    ssh_pid = int((state / "ssh.pid").read_text())
+    with pytest.raises(ProcessLookupError):
+        os.kill(ssh_pid, 0)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("capacity, reservation, expected", [
+    ("spot", "", "gcloud compute tpus queued-resources create"),
+    ("on-demand", "", "gcloud compute tpus queued-resources create"),
+    ("reserved", "", "gcloud compute tpus queued-resources create"),
+    ("reserved", "my-res", "gcloud alpha compute tpus queued-resources create"),
+])
+def test_tpu_vm_capacity_flags(tmp_path, capacity, reservation, expected):
+    settings = dataclasses.replace(SETTINGS, capacity=capacity, reservation=reservation)
+    proc, calls, slice_left = run_script_with_fake_gcloud(tmp_path, ["0"], settings)
+    assert proc.returncode == 0, proc.stderr
+    (create,) = [c for c in calls if "queued-resources create" in c]
+    flags = set(create.split())
+    assert ("--spot" in flags) == (capacity == "spot")
+    assert ("--reserved" in flags) == (capacity == "reserved" and not reservation)
+    assert ("--reservation=my-res" in flags) == bool(reservation)
+    assert f"gcloud {create}".startswith(expected)
+    assert not slice_left
+
+
+def test_capacity_and_queue_settings_are_checked():
+    with pytest.raises(ValueError, match="--capacity must be one of spot, on-demand, reserved"):
+        dataclasses.replace(SETTINGS, capacity="preemptible")
+    with pytest.raises(ValueError, match="needs --capacity reserved"):
+        dataclasses.replace(SETTINGS, reservation="my-res")
+    with pytest.raises(ValueError, match="--queue"):
+        dataclasses.replace(SETTINGS, queue=" ")
+
+
+@pytest.mark.parametrize("capacity, reservation, selector", [
+    ("spot", "", {"cloud.google.com/gke-spot": "true"}),
+    ("on-demand", "", {}),
+    ("reserved", "", {}),
+    ("reserved", "my-res", {"cloud.google.com/reservation-name": "my-res"}),
+])
+def test_xpk_manifest_queue_and_capacity(capacity, reservation, selector):
+    graph, jobs = golden_jobs()
+    settings = dataclasses.replace(SETTINGS, capacity=capacity, reservation=reservation, queue="team-a")
+    m = jobset_manifest(graph, jobs[0], settings)
+    assert validation_errors(m) == []
+    assert m["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
+    node_selector = m["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["nodeSelector"]
+    assert {k: v for k, v in node_selector.items() if "tpu" not in k} == selector
+
+
+def test_sweep_cli_passes_capacity_and_queue(tmp_path, capsys):
+    from smelt_jax.cli import main
+    out = tmp_path / "out"
+    assert main(["sweep", "submit", "--suite", "smoke", "--backend", "tpu-vm", "--out", str(out),
+                 "--capacity", "on-demand"]) == 0
+    script = next((out / "jobs").glob("*.sh")).read_text()
+    assert "queued-resources create" in script and "--spot" not in script
+    assert main(["sweep", "submit", "--suite", "smoke", "--backend", "xpk", "--out", str(out),
+                 "--queue", "team-a", "--capacity", "reserved", "--reservation", "r1"]) == 0
+    manifest = yaml.safe_load(next((out / "manifests").glob("*.yaml")).read_text())
+    assert manifest["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
+    assert "cloud.google.com/reservation-name: r1" in next((out / "manifests").glob("*.yaml")).read_text()
+    assert main(["sweep", "submit", "--suite", "smoke", "--backend", "xpk", "--out", str(out),
+                 "--reservation", "r1"]) == 2
+    assert "needs --capacity reserved" in capsys.readouterr().err
+
+
+@pytest.mark.integration
+def test_tpu_vm_cancel_waits_for_the_trap_then_deletes_what_is_left(tmp_path):
+    """cancel kills the running loop and waits for it (its trap deletes the slice), so the cancel's
+    own delete does not race it; with no loop running it deletes the slice itself."""
+    import time
+    graph, jobs = golden_jobs()
+    out = tmp_path / "out"
+    settings = dataclasses.replace(SETTINGS, out_dir=out)
+    backend = TpuVmBackend(settings)
+    env, state = fake_gcloud_env(tmp_path, ["hang"])
+    (out / "logs").mkdir(parents=True)
+    script = tmp_path / "job.sh"
+    script.write_text(job_script(graph, jobs[1], settings))
+    proc = subprocess.Popen(["bash", str(script)], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    (out / "logs" / f"{jobs[1].name}.pid").write_text(f"{proc.pid}\n")
+    import threading
+    reaper = threading.Thread(target=proc.wait)  # reaps it at once, as init reaps a nohup job
+    reaper.start()
+    deadline = time.monotonic() + 30
+    while not (state / "ssh.pid").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    (command,) = backend.cancel(graph, [jobs[1].name])
+    done = subprocess.run(["bash", "-c", command], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    reaper.join(timeout=10)
+    assert proc.returncode == 143
+    calls = (state / "calls").read_text().splitlines()
+    assert sum("queued-resources delete" in c for c in calls) == 1  # the trap's; cancel saw it gone
+    assert not (state / "slice").exists()
+    (state / "slice").touch()  # a slice without a loop: cancel deletes it
+    assert subprocess.run(["bash", "-c", command], env=env, timeout=60).returncode == 0
+    assert not (state / "slice").exists()

@@ -1,5 +1,6 @@
-"""TensorBoard event files and profiler traces of a training phase, read back with TensorBoard's own
-reader (`tensorboard` is a test-only dependency; the trainer writes the event protocol itself)."""
+"""TensorBoard event files (written through tensorboardX) and profiler traces of a training phase,
+read back with TensorBoard's own reader (`tensorboard` is a test-only dependency), hparams included;
+and the optional W&B log, read back from its offline run files."""
 
 import math
 import shutil
@@ -55,6 +56,36 @@ def test_event_protocol_reads_back_with_tensorboard(tmp_path):
     assert acc.Scalars("train/loss")[0].wall_time == 5.0
 
 
+def _hparams(acc) -> dict:
+    """What TensorBoard's hparams plugin reads from a run: its experiment (hparam and metric names)
+    and its session's hparam values."""
+    from tensorboard.plugins.hparams import metadata
+    content = acc.PluginTagToContent(metadata.PLUGIN_NAME)
+    experiment = metadata.parse_experiment_plugin_data(content[metadata.EXPERIMENT_TAG])
+    start = metadata.parse_session_start_info_plugin_data(content[metadata.SESSION_START_INFO_TAG])
+    values = {}
+    for key, value in start.hparams.items():
+        kind = value.WhichOneof("kind")
+        values[key] = getattr(value, kind)
+    return {"hparams": sorted(h.name for h in experiment.hparam_infos),
+            "metrics": sorted(m.name.tag for m in experiment.metric_infos), "values": values}
+
+
+def test_hparams_read_back_with_tensorboard(tmp_path):
+    run = _run()
+    with tb.EventWriter(tmp_path, hparams=tb.run_hparams(run, 1)) as writer:
+        writer.write({"step": 1, "loss": 2.5})
+    hp = _hparams(_load(tmp_path))
+    assert hp["hparams"] == ["arch", "id", "pair", "phase", "scale", "sparsity", "suite"]
+    assert hp["metrics"] == ["eval/overall", "train/loss"]
+    assert hp["values"] == {"id": run.id, "suite": "unit", "scale": "tiny", "sparsity": "s50",
+                            "arch": "smelt", "pair": "unit-tiny", "phase": "branch1"}
+    with tb.EventWriter(tmp_path / "none") as writer:  # no hparams given: none written
+        writer.write({"step": 1, "loss": 2.5})
+    with pytest.raises(KeyError, match="hparams"):
+        _load(tmp_path / "none").PluginTagToContent("hparams")
+
+
 def test_resumed_phase_event_files_match_metrics_jsonl(tmp_path, corpus):
     """A stable phase stopped at step 5 (its checkpoint) and resumed, then a decay branch: TensorBoard's
     curves are metrics.jsonl's, the steps logged twice shown once (the resumed values)."""
@@ -90,6 +121,11 @@ def test_resumed_phase_event_files_match_metrics_jsonl(tmp_path, corpus):
     # Two trainer processes (stopped, resumed) wrote two files; TensorBoard shows the first one's
     # steps 1-4 and the resumed one's from step 5 on (tokens_per_s above differs at step 5).
     assert len(gcs.list_files(rd.tensorboard(None))) == 2
+    # Each phase carries the run's hparams, so runs compare by arch and sparsity.
+    for branch, phase in ((None, "stable"), (0, "branch0")):
+        values = _hparams(_load(rd.tensorboard(branch)))["values"]
+        assert values["phase"] == phase and values["arch"] == run.arch and values["id"] == run.id
+        assert values["sparsity"] == run.sparsity_label
 
 
 def test_smelt_train_profile_writes_a_trace_for_a_three_step_run(tmp_path, corpus, monkeypatch,
@@ -123,3 +159,35 @@ def test_profile_option_is_checked_before_start():
     for bad in ((5, 2), 0, (1,), True):
         with pytest.raises(ValueError, match="--profile"):
             TrainOptions(profile=bad)
+
+
+@pytest.mark.integration
+def test_smelt_train_wandb_offline_holds_the_logged_scalars(tmp_path, corpus, monkeypatch, capsys):
+    """`smelt train ID --wandb PROJECT` in W&B's offline mode: the run files hold metrics.jsonl's
+    scalars against the step, and the run's hparams as its config."""
+    pytest.importorskip("wandb")
+    import experiments
+    import smelt_jax.train.trainer as trainer
+    from smelt_jax.cli import main
+    from tests import wandb_reader
+
+    run = _run()
+    monkeypatch.setattr(experiments, "find_run", lambda run_id: run)
+    monkeypatch.setattr(trainer, "_load_corpus", lambda: corpus)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb-dir"))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    runs = tmp_path / "runs"
+    assert main(["train", run.id, "--runs-dir", str(runs), "--quiet", "--log-every", "3",
+                 "--wandb", "smelt-test"]) == 0
+    (path,) = wandb_reader.run_files(tmp_path / "wandb-dir")
+    assert path.name == f"run-{run.id}-stable.wandb"
+    rows = [r for r in wandb_reader.history(path) if "train/loss" in r]
+    records = latest_per_step(read_metrics(run_dir(run.suite, run.id, runs).metrics(None)))
+    assert [r["step"] for r in rows] == [r["step"] for r in records] == [3, 6, 9, 12]
+    for row, record in zip(rows, records):
+        for key in ("loss", "lr", "grad_norm", "tokens_per_s"):
+            assert _close(row[f"train/{key}"], record[key]), key
+    config = wandb_reader.config(path)
+    assert {k: config[k] for k in ("id", "arch", "sparsity", "phase")} == {
+        "id": run.id, "arch": run.arch, "sparsity": run.sparsity_label, "phase": "stable"}

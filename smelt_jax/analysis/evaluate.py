@@ -30,7 +30,16 @@ from smelt_jax.analysis import dyck as dyck_lib
 from smelt_jax.errors import MissingInput, UsageError
 
 LENGTH_BUCKETS: tuple[int, ...] = tuple(2**i for i in range(5, 13))  # 32, 64, ..., 4096
+# The shot counts of the paper's Dyck table; `smelt eval` runs Dyck only when asked (--dyck-shots):
+# at 32 shots its texts are far longer than a small model's training context.
 DEFAULT_DYCK_SHOTS: tuple[int, ...] = (0, 1, 4, 32)
+
+
+def effective_max_len(max_len: int | None, seq_len: int) -> int:
+    """The longest scored text: `max_len`, or by default the model's training context `seq_len`
+    (longer texts are left-truncated; a longer window costs memory quadratically and scores
+    positions the model never trained on)."""
+    return int(max_len) if max_len else int(seq_len)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -377,9 +386,11 @@ def task_specs(paths: Sequence[str]) -> list:
 
 
 def evaluate_model(model, corpus=None, *, seq_len: int, eval_tokens: int | None = 16_384,
-                   task_paths: Sequence[str] = (), dyck_shots: Sequence[int] = DEFAULT_DYCK_SHOTS,
-                   dyck_examples: int = 64, max_len: int = 4096, batch_size: int = 8) -> dict[str, Any]:
-    """Validation report (when `corpus` is given), Dyck per shot count (when `dyck_shots`), task files.
+                   task_paths: Sequence[str] = (), dyck_shots: Sequence[int] = (),
+                   dyck_examples: int = 64, max_len: int | None = None, batch_size: int = 8) -> dict[str, Any]:
+    """Validation report (when `corpus` is given), Dyck per shot count (when `dyck_shots`, e.g.
+    DEFAULT_DYCK_SHOTS), task files. `max_len`: see effective_max_len. What it will cost:
+    analysis.eval_estimate.estimate_eval with the same arguments.
 
     Returns {'validation': validation_report(...) or None, 'dyck': DataFrame or None, 'tasks': DataFrame
     or None, 'dclm_core': float or None}.
@@ -390,7 +401,7 @@ def evaluate_model(model, corpus=None, *, seq_len: int, eval_tokens: int | None 
     if corpus is not None:
         out["validation"] = validation_report(model, corpus, seq_len=seq_len, max_tokens=eval_tokens,
                                               batch_size=batch_size)
-    score_fn = make_score_fn(model, max_len=max_len, batch_size=batch_size)
+    score_fn = make_score_fn(model, max_len=effective_max_len(max_len, seq_len), batch_size=batch_size)
     if dyck_shots:
         out["dyck"] = evaluate_dyck(score_fn, dyck_shots, n_examples=dyck_examples)
     if task_paths:

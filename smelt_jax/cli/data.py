@@ -33,10 +33,12 @@ def register(subparsers) -> None:
     info.set_defaults(handler=_info)
 
     prep = actions.add_parser(
-        "prepare", help="text shards (JSONL, JSONL.zst, Parquet; paths, globs, gs://) -> a token store "
+        "prepare", help="text shards (JSONL, JSONL.zst, Parquet, .txt/.md files; paths, globs, gs://) -> a "
+                        "token store "
                         "(tensorstore zarr3, local or gs://); resumable")
     prep.add_argument("--input", nargs="+", required=True, metavar="PATH",
-                      help="input shards: files, directories, globs or gs:// URLs (quote globs)")
+                      help="input shards: files, directories, globs or gs:// URLs (quote globs); a .txt "
+                           "or .md file is one document, labelled by --default-source or its folder")
     prep.add_argument("--out", required=True, help="token store folder or gs://BUCKET/PATH")
     prep.add_argument("--tokenizer", default="bytes",
                       help="a tokenizer.json (path or gs://) or 'bytes' for the embedded byte tokenizer")
@@ -184,12 +186,24 @@ def _prepare(args) -> int:
           f"{totals['val']['tokens']:,} validation tokens in {totals['documents']:,} documents; "
           f"digest {manifest['store_digest'][:16]}")
     _print_problems(manifest)
+    _warn_small_validation(manifest)
     if result.failed_shards:
         print(f"{len(result.failed_shards)} shard(s) failed and were left out (rerun to retry them):")
         for failed in result.failed_shards:
             print(f"  {failed['input']}: {failed['error']}")
         return 1
     return 0
+
+
+def _warn_small_validation(manifest: dict) -> None:
+    import sys
+
+    from smelt_jax.data.input_checks import validation_warning
+    val_tokens = manifest.get("totals", {}).get("val", {}).get("tokens")
+    warning = None if val_tokens is None else validation_warning(
+        val_tokens, manifest.get("split_rule", {}).get("val_fraction"))
+    if warning:
+        print(warning, file=sys.stderr)
 
 
 def _print_problems(manifest: dict) -> None:
@@ -230,6 +244,7 @@ def _store_info(args) -> int:
         print(f"| {row['source']} | {row['train_documents']:,} | {row['train_tokens']:,} "
               f"| {row['val_documents']:,} | {row['val_tokens']:,} |")
     _print_problems(manifest)
+    _warn_small_validation(manifest)
     for failed in manifest.get("failed_shards", []):
         print(f"failed shard {failed['input']}: {failed['error']}")
     return 0
@@ -237,18 +252,13 @@ def _store_info(args) -> int:
 
 @filesystem_errors
 def _tokenizer_train(args) -> int:
-    from collections import Counter
-
-    from smelt_jax.data import gcs
-    from smelt_jax.data.hf_tokenizer import TokenizerError, train_bpe
-    from smelt_jax.data.prepare import INPUT_SUFFIXES, PrepareConfig, iter_texts
+    from smelt_jax.data.hf_tokenizer import TokenizerError
+    from smelt_jax.data.train_tokenizer import train_on_inputs
 
     try:
-        urls = gcs.expand(args.input, INPUT_SUFFIXES)
-        problems: Counter = Counter()
-        texts = iter_texts(urls, PrepareConfig(text_field=args.text_field, default_source="-"),
-                           max_documents=args.max_documents, max_bytes=args.max_bytes, problems=problems)
-        tokenizer = train_bpe(texts, args.vocab_size, min_frequency=args.min_frequency)
+        tokenizer, problems = train_on_inputs(args.input, args.vocab_size, text_field=args.text_field,
+                                              max_documents=args.max_documents, max_bytes=args.max_bytes,
+                                              min_frequency=args.min_frequency)
         tokenizer.save(args.out)
     except TokenizerError as err:
         raise CliError(str(err)) from err

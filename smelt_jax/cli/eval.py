@@ -1,4 +1,7 @@
-"""`smelt eval RUN_ID_OR_CHECKPOINT [--branch K] [--tasks FILE ...] [--dyck-shots 0 1 4 32] [--json]`."""
+"""`smelt eval RUN_ID_OR_CHECKPOINT [--branch K] [--tasks FILE ...] [--dyck-shots 0 1 4 32] [--json]`.
+
+Cheap by default (the validation loss; Dyck only with --dyck-shots, texts up to the run's training
+context); what it will run, and an estimate of its time and memory, go to stderr before it starts."""
 
 from __future__ import annotations
 
@@ -38,6 +41,9 @@ def _print_tables(label: str, report: dict) -> None:
 
 
 def cmd_eval(args) -> int:
+    import sys
+
+    from smelt_jax.analysis.eval_estimate import estimate_eval
     from smelt_jax.analysis.evaluate import evaluate_model, load_model, report_to_json
     shots = parse_shots(args.dyck_shots)
     root = Path(args.runs_dir) if args.runs_dir else None
@@ -46,6 +52,11 @@ def cmd_eval(args) -> int:
 
     corpus = None if args.no_validation else open_dataset(args.data_dir)
     seq_len = int(loaded.run["schedule"]["seq_len"])
+    estimate = estimate_eval(loaded.cfg, corpus, seq_len=seq_len, eval_tokens=args.eval_tokens,
+                             dyck_shots=shots, dyck_examples=args.dyck_examples, max_len=args.max_len,
+                             batch_size=args.batch_size)
+    print(estimate.line() + (" (task files not counted)" if args.tasks else ""), file=sys.stderr,
+          flush=True)
     report = evaluate_model(loaded.model, corpus, seq_len=seq_len, eval_tokens=args.eval_tokens,
                             task_paths=args.tasks or (), dyck_shots=shots, dyck_examples=args.dyck_examples,
                             max_len=args.max_len, batch_size=args.batch_size)
@@ -67,14 +78,16 @@ def register(subparsers) -> None:
     p.add_argument("--branch", type=int, help="decay branch K (default: the stable run)")
     p.add_argument("--tasks", nargs="+", metavar="FILE",
                    help="task files (.jsonl, LM or multiple choice) or registries (.yaml/.json)")
-    p.add_argument("--dyck-shots", nargs="+", default=["0", "1", "4", "32"], metavar="K",
-                   help="shot counts (default 0 1 4 32); 'none' skips Dyck")
+    p.add_argument("--dyck-shots", nargs="+", default=["none"], metavar="K",
+                   help="run k-shot Dyck at these shot counts (the paper's: 0 1 4 32; default none)")
     p.add_argument("--dyck-examples", type=int, default=64, help="Dyck queries per shot count")
     p.add_argument("--eval-tokens", type=int, default=16_384, help="validation tokens per source")
     p.add_argument("--no-validation", action="store_true", help="skip the validation loss")
     p.add_argument("--data-dir", help="token store or corpus folder (default: the embedded corpus)")
     p.add_argument("--runs-dir", help="runs root (default $SMELT_RUNS_DIR or runs/)")
-    p.add_argument("--max-len", type=int, default=4096, help="longest scored text in tokens (left-truncated)")
+    p.add_argument("--max-len", type=int, default=None,
+                   help="longest scored text in tokens, longer ones left-truncated (default: the run's "
+                        "training context, seq_len; memory grows with its square)")
     p.add_argument("--batch-size", type=int, default=8, help="rows per forward pass (default 8)")
     p.add_argument("--json", action="store_true", help="one JSON object instead of tables")
     p.set_defaults(handler=cmd_eval)

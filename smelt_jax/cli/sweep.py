@@ -6,6 +6,7 @@ import shlex
 from pathlib import Path
 
 from smelt_jax.cli import filesystem_errors
+from smelt_jax.sweep.base import CAPACITIES
 from smelt_jax.sweep.graph import JobGraph, JobStatus, suite_graph
 
 BACKENDS = ("local", "xpk", "tpu-vm")
@@ -27,7 +28,8 @@ def _backend(args, suite: str):
                                           progress=not args.quiet))
     out = Path(args.out) if args.out else Path("sweeps") / suite / args.backend
     overrides = {k: getattr(args, k) for k in ("image", "bucket", "project", "zone", "cluster",
-                                               "max_restarts", "data_dir") if getattr(args, k) is not None}
+                                               "max_restarts", "data_dir", "capacity", "reservation",
+                                               "queue") if getattr(args, k) is not None}
     settings = CloudSettings(out_dir=out, root=root, **overrides)
     if args.backend == "xpk":
         from smelt_jax.sweep.xpk import XpkBackend
@@ -158,6 +160,14 @@ def _common(parser, *, backend_required: bool, runs_jobs: bool, submits: bool) -
     cloud.add_argument("--out", help="folder for commands and manifests (default sweeps/SUITE/BACKEND)")
     for name, text in _CLOUD_HELP.items():
         cloud.add_argument(f"--{name}", help=text)
+    cloud.add_argument("--capacity", choices=CAPACITIES,
+                       help="how slices are paid for: spot (default; preemptible, jobs retry), on-demand, "
+                            "or reserved (tpu-vm: the queued resource; xpk: the pods' node selector, the "
+                            "cluster's node pools decide for the xpk command)")
+    cloud.add_argument("--reservation", help="with --capacity reserved: the reservation's name (default: "
+                                             "the zone's reservation for the project)")
+    cloud.add_argument("--queue", help="xpk: Kueue LocalQueue of the JobSets (default multislice-queue, "
+                                       "the one xpk clusters create)")
     cloud.add_argument("--max-restarts", type=int, dest="max_restarts",
                        help="restarts of a job before it counts as failed")
 

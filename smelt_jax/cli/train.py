@@ -66,7 +66,8 @@ def cmd_train(args) -> int:
     profile = parse_profile(args.profile)
     options = TrainOptions(log_every=args.log_every, checkpoint_every=args.checkpoint_every,
                            eval_every=args.eval_every, stop_after=args.stop_after,
-                           progress=not args.quiet, profile=profile, tensorboard=not args.no_tensorboard)
+                           progress=not args.quiet, profile=profile, tensorboard=not args.no_tensorboard,
+                           wandb=args.wandb or "")
     import experiments
     run = apply_overrides(experiments.find_run(args.id), args.override or [])
     if args.branch is not None and not 0 <= args.branch < len(run.schedule.fork_steps):
@@ -96,18 +97,25 @@ def cmd_train(args) -> int:
         from smelt_jax.data.corpus import open_dataset
         corpus = open_dataset(args.data_dir)
     _quiet_closed_loops()
+    from smelt_jax.train.report import finish_lines
+    root = as_path(args.runs_dir) if args.runs_dir else None
+    runs_dir_flag = f"--runs-dir {args.runs_dir}" if args.runs_dir else ""
     try:
         with one_line_warnings():
-            summary = train(run, args.branch, root=as_path(args.runs_dir) if args.runs_dir else None,
+            summary = train(run, args.branch, root=root,
                             options=options, parallelism=parallelism, corpus=corpus)
     except Preempted as err:
         print(f"smelt: {err}", file=sys.stderr)
+        for line in finish_lines(run, args.branch, root, stopped=True, runs_dir_flag=runs_dir_flag):
+            print(line, file=sys.stderr)
         return PREEMPTED_EXIT_CODE
     except NonFiniteLoss as err:
         print(f"smelt: error: {err}", file=sys.stderr)
         return NONFINITE_EXIT_CODE
     except (LockHeld, LockLost, CheckpointSaveError, NotImplementedError) as err:
         raise CliError(str(err)) from None
+    for line in finish_lines(run, args.branch, root, runs_dir_flag=runs_dir_flag):
+        print(line, file=sys.stderr)  # stdout keeps the one JSON line
     print(json.dumps({k: v for k, v in summary.items() if k != "endpoint"}))
     return 0
 
@@ -129,12 +137,15 @@ def register(subparsers) -> None:
                    help="save a checkpoint every N steps (default 100; fork steps are always saved)")
     p.add_argument("--eval-every", type=int, default=0, help="0: at the end of the phase only")
     p.add_argument("--stop-after", type=int, help="save and exit 42 after this many steps")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--quiet", action="store_true", help="no progress bar or progress lines (the final summary is still printed)")
     p.add_argument("--profile", metavar="STEPS|START:STOP",
                    help="write a jax.profiler trace into <phase>/profile/: of the STEPS steps after "
                         "the first one this process runs (it compiles), or of steps START..STOP-1")
     p.add_argument("--no-tensorboard", action="store_true",
                    help="no TensorBoard event files in <phase>/tensorboard/")
+    p.add_argument("--wandb", metavar="PROJECT",
+                   help="also log to this Weights & Biases project (pip install 'smelt_jax[wandb]'; "
+                        "WANDB_MODE=offline keeps it in local files)")
     p.add_argument("--layout", help="mesh sizes, e.g. data=-1,fsdp=8,expert=4 (default: the run's)")
     p.add_argument("--remat", choices=("none", "full", "dots", "dots_no_batch"),
                    help="rematerialisation policy (default: the run's layout)")

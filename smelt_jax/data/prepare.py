@@ -39,11 +39,12 @@ from collections.abc import Callable, Iterator
 import numpy as np
 
 from smelt_jax.data import gcs
+from smelt_jax.data import input_checks
 from smelt_jax.data import token_store as tsd
 from smelt_jax.errors import SmeltError, UsageError
 
 INPUT_SUFFIXES = (".jsonl", ".json", ".ndjson", ".jsonl.zst", ".json.zst", ".zst", ".jsonl.gz", ".gz",
-                  ".parquet")
+                  ".parquet", *input_checks.TEXT_SUFFIXES)
 PROBLEM_KINDS = ("non_utf8", "bad_json", "missing_text", "missing_source", "bad_field", "empty")
 MAX_EXAMPLES = 5
 ENCODE_BATCH = 512
@@ -94,8 +95,14 @@ def _decompress(url: str, data: bytes) -> bytes:
     return data
 
 
-def read_records(url: str, data: bytes) -> Iterator[tuple[int, object]]:
-    """(line or row number from 1, record dict | problem kind) for one shard; raises if it cannot parse."""
+def read_records(url: str, data: bytes, config: PrepareConfig | None = None) -> Iterator[tuple[int, object]]:
+    """(line or row number from 1, record dict | problem kind) for one shard; raises if it cannot parse.
+    A plain-text file (.txt, .md) is one record (input_checks.text_file_record, fields of `config`)."""
+    if input_checks.is_text_file(url):
+        config = config or PrepareConfig()
+        yield 1, input_checks.text_file_record(url, data, config.text_field, config.source_field,
+                                               config.default_source)
+        return
     if url.endswith(".parquet"):
         import pyarrow.parquet as pq
 
@@ -156,17 +163,23 @@ def extract(record, config: PrepareConfig) -> tuple[str, str] | str:
 
 
 def iter_texts(urls: list[str], config: PrepareConfig, *, max_documents: int | None = None,
-               max_bytes: int | None = None, problems: Counter | None = None) -> Iterator[str]:
-    """Good texts of the shards in order (for tokenizer training); unreadable shards are skipped."""
+               max_bytes: int | None = None, problems: Counter | None = None,
+               fields: dict | None = None) -> Iterator[str]:
+    """Good texts of the shards in order (for tokenizer training); unreadable shards are skipped.
+    `problems` counts the bad records by kind (and `records`), `fields` gathers the fields found."""
     seen_docs = seen_bytes = 0
     for url in urls:
         try:
-            records = list(read_records(url, gcs.read_bytes(url)))
+            records = list(read_records(url, gcs.read_bytes(url), config))
         except Exception:  # noqa: BLE001 - reported by counting, like prepare does
             if problems is not None:
                 problems["failed_shards"] += 1
             continue
+        if fields is not None:
+            input_checks.merge_fields(fields, input_checks.field_types(r for _, r in records))
         for _, record in records:
+            if problems is not None:
+                problems["records"] += 1
             got = extract(record, config)
             if isinstance(got, str):
                 if problems is not None:
@@ -213,7 +226,7 @@ def tokenize_shard(url: str, tokenizer, config: PrepareConfig) -> tuple[dict, di
     examples: list[str] = []
     try:
         data = gcs.read_bytes(url)
-        records = list(read_records(url, data))
+        records = list(read_records(url, data, config))
     except Exception as err:  # noqa: BLE001 - any parse failure is this shard's, reported by name
         return {"input": url, "status": "failed", "error": f"{type(err).__name__}: {err}"[:500]}, None
     texts, sources = [], []
@@ -244,6 +257,7 @@ def tokenize_shard(url: str, tokenizer, config: PrepareConfig) -> tuple[dict, di
     counts["tokens"] = int(tokens.size)
     counts["text_bytes"] = sum(len(t.encode("utf-8")) for t in texts)
     summary = {"input": url, "status": "tokenized", "input_bytes": _input_size(url), "sources": names,
+               "fields": input_checks.field_types(r for _, r in records),
                "counts": {k: int(counts[k]) for k in ("records", "documents", "tokens", "text_bytes")},
                "problems": {k: int(counts[k]) for k in PROBLEM_KINDS if counts[k]},
                "examples": examples}
@@ -500,7 +514,13 @@ def prepare(inputs: list[str], out, tokenizer, config: PrepareConfig | None = No
     duplicates = Counter(codes[~keep].tolist())
     lengths, keys, codes, doc_part, doc_src = (x[keep] for x in (lengths, keys, codes, doc_part, doc_src))
     if lengths.size == 0:
-        raise PrepareError("the inputs hold no usable documents")
+        found: dict = {}
+        for _, meta, _ in metas:
+            input_checks.merge_fields(found, meta.get("fields", {}))
+        raise PrepareError(input_checks.no_documents_message(
+            sum((Counter(meta.get("problems", {})) for _, meta, _ in metas), Counter()), found,
+            inputs=len(urls), records=sum(meta["counts"]["records"] for _, meta, _ in metas),
+            text_field=config.text_field, source_field=config.source_field))
     val = tsd.split_assignment(keys[:, 0], codes, len(names), config.val_fraction)
     offsets = np.zeros(lengths.size + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])

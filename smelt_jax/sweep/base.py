@@ -67,6 +67,11 @@ def is_placeholder(value: str) -> bool:
     return bool(_PLACEHOLDER.search(value))
 
 
+# How a slice is paid for: spot (preemptible, cheapest; the jobs retry), on-demand, or reserved (a
+# reservation: `--reservation NAME`, or the zone's reservation for the project).
+CAPACITIES = ("spot", "on-demand", "reserved")
+
+
 @dataclasses.dataclass(frozen=True)
 class CloudSettings:
     """Where and how cloud jobs run. Placeholders make a dry run readable; `--submit` refuses them."""
@@ -77,7 +82,9 @@ class CloudSettings:
     zone: str = "ZONE"
     cluster: str = "CLUSTER"           # GKE cluster (xpk)
     max_restarts: int = 20             # restarts after preemption / exit 42, per job
-    queue: str = "multislice-queue"    # Kueue LocalQueue that xpk clusters create
+    queue: str = "multislice-queue"    # Kueue LocalQueue of the JobSets (xpk clusters create this one)
+    capacity: str = "spot"             # spot | on-demand | reserved (CAPACITIES)
+    reservation: str = ""              # reservation name (capacity reserved); "" = the zone's
     out_dir: Path = Path("sweeps")
     root: Path | None = None           # local runs root read for readiness (default: $SMELT_RUNS_DIR)
     data_dir: str = ""                 # token store the jobs train on (gs://...); "" = the embedded corpus
@@ -87,6 +94,13 @@ class CloudSettings:
             raise UsageError(f"--bucket must be a gs:// path, got {self.bucket!r}")
         if self.max_restarts < 0:
             raise UsageError(f"max_restarts must be >= 0, got {self.max_restarts}")
+        if self.capacity not in CAPACITIES:
+            raise UsageError(f"--capacity must be one of {', '.join(CAPACITIES)}, got {self.capacity!r}")
+        if self.reservation and self.capacity != "reserved":
+            raise UsageError(f"--reservation {self.reservation} needs --capacity reserved, "
+                             f"got --capacity {self.capacity}")
+        if not self.queue.strip():
+            raise UsageError("--queue must name a Kueue LocalQueue")
         if self.data_dir and not self.data_dir.startswith("gs://"):
             raise UsageError(f"--data-dir must be a gs:// token store the TPU hosts can read, got "
                              f"{self.data_dir!r}")

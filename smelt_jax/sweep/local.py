@@ -153,12 +153,12 @@ def _die_with_parent() -> None:
 # The sweep -------------------------------------------------------------------------------------
 
 class _Progress:
-    """A tqdm bar of finished jobs, with the running ones as its postfix."""
+    """A bar of finished jobs (a line per change off a terminal), with the running ones as its postfix."""
 
     def __init__(self, graph: JobGraph, done: int, enabled: bool):
-        from tqdm import tqdm
-        self.bar = tqdm(total=len(graph.jobs), initial=done, desc=f"sweep {graph.suite}",
-                        unit="job", disable=not enabled, file=sys.stderr, dynamic_ncols=True)
+        from smelt_jax.progress import progress_bar
+        self.bar = progress_bar(len(graph.jobs), initial=done, desc=f"sweep {graph.suite}",
+                                unit="job", disable=not enabled)
         self.shown: tuple = ()
 
     def update(self, done: int, running: Sequence[str], failed: int) -> None:

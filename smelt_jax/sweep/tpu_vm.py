@@ -1,7 +1,7 @@
 """The `tpu-vm` backend: TPU VMs without GKE, through `gcloud compute tpus`.
 
-Per job one script, `jobs/<name>.sh`, that owns a queued resource (a spot slice) named after the job
-and loops until the trainer exits 0:
+Per job one script, `jobs/<name>.sh`, that owns a queued resource (a slice: spot by default,
+`--capacity on-demand|reserved` otherwise) named after the job and loops until the trainer exits 0:
 
     slice missing            -> `gcloud compute tpus queued-resources create`
     slice FAILED / SUSPENDED -> (preempted) delete it and create it again
@@ -9,6 +9,10 @@ and loops until the trainer exits 0:
     trainer exit 0           -> done: delete the slice
     exit 42, or the slice went away under it -> retry (at most max_restarts times)
     any other exit on a healthy slice        -> stop with that exit code
+
+Whatever way the script ends (done, a trainer failure, giving up, an error of its own, SIGTERM/SIGINT/
+SIGHUP as `smelt sweep cancel` sends), a bash EXIT trap stops the ssh and deletes the slice, so that no
+exit path leaves a slice up and billed.
 
 `submit.sh` starts every READY job's script in the background (`nohup`), logging to `logs/<name>.log`.
 """
@@ -47,23 +51,39 @@ def worker_command(job: Job, settings: CloudSettings) -> str:
             f"&& {quote(docker)}")
 
 
+def capacity_flags(settings: CloudSettings) -> tuple[list[str], list[str]]:
+    """(gcloud release track, flags) of `queued-resources create` for the settings' capacity: spot
+    `--spot`; on-demand none; reserved `--reserved` (the zone's reservation), or for a named
+    reservation the alpha track's `--reservation=NAME`."""
+    if settings.capacity == "spot":
+        return [], ["--spot"]
+    if settings.capacity == "reserved":
+        if settings.reservation:
+            return ["alpha"], [f"--reservation={settings.reservation}"]
+        return [], ["--reserved"]
+    return [], []
+
+
 def job_script(graph: JobGraph, job: Job, settings: CloudSettings) -> str:
     tpu = tpu_slice(tpu_type_for(job.run))
     where = f"--project={settings.project} --zone={settings.zone}"
-    create = quote(["gcloud", "compute", "tpus", "queued-resources", "create", job.name,
+    track, capacity = capacity_flags(settings)
+    create = quote(["gcloud", *track, "compute", "tpus", "queued-resources", "create", job.name,
                     f"--node-id={job.name}", f"--project={settings.project}",
                     f"--zone={settings.zone}", f"--accelerator-type={tpu.name}",
-                    f"--runtime-version={tpu.runtime_version}", "--spot"])
+                    f"--runtime-version={tpu.runtime_version}", *capacity])
     ssh = quote(["gcloud", "compute", "tpus", "tpu-vm", "ssh", job.name,
                  f"--project={settings.project}", f"--zone={settings.zone}", "--worker=all",
                  f"--command={worker_command(job, settings)}"])
     return f"""#!/usr/bin/env bash
-# {job.name}: {job.run.id} {job.phase} on {tpu.name} ({tpu.hosts} hosts); retries on preemption.
+# {job.name}: {job.run.id} {job.phase} on {tpu.name} ({tpu.hosts} hosts, {settings.capacity}); retries on preemption.
 # Checkpoints and results: {settings.runs_dir}
+# The slice is deleted on every exit (the EXIT trap below), also on a failure or a kill.
 set -uo pipefail
 QR={job.name}
 MAX_RESTARTS={settings.max_restarts}
 POLL_SECONDS=${{SMELT_POLL_SECONDS:-{POLL_SECONDS}}}
+child=
 
 state() {{
   gcloud compute tpus queued-resources describe "$QR" {where} \\
@@ -73,6 +93,25 @@ state() {{
 delete_slice() {{
   gcloud compute tpus queued-resources delete "$QR" {where} --force --quiet
 }}
+
+cleanup() {{  # EXIT trap: stop the ssh, delete the slice if it is still there, keep the exit code
+  rc=$?
+  trap - EXIT INT TERM HUP
+  if [ -n "$child" ]; then
+    kill "$child" 2>/dev/null
+    wait "$child" 2>/dev/null
+  fi
+  if [ "$(state)" != MISSING ]; then
+    echo "$QR: deleting the slice (exit $rc)" >&2
+    delete_slice || echo "$QR: could not delete the slice; delete it by hand:" \\
+      "gcloud compute tpus queued-resources delete $QR {where} --force" >&2
+  fi
+  exit "$rc"
+}}
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+trap 'exit 129' HUP
 
 ensure_active() {{  # 0 once the slice is ACTIVE, 1 if it failed or was preempted while waiting
   case "$(state)" in
@@ -93,8 +132,11 @@ ensure_active() {{  # 0 once the slice is ACTIVE, 1 if it failed or was preempte
 attempt=0
 while true; do
   if ensure_active; then
-    {ssh}
+    {ssh} &
+    child=$!
+    wait "$child"  # in the background, so that a signal reaches the trap at once
     rc=$?
+    child=
     if [ "$rc" -eq 0 ]; then
       echo "$QR: done"
       delete_slice
@@ -152,12 +194,19 @@ class TpuVmBackend:
 
     def cancel(self, graph: JobGraph, names: list[str] | None = None, *,
                execute: bool = False) -> list[str]:
-        """Stops the retry loop first (else it would recreate the slice), then deletes the slice."""
+        """Stops the retry loop first (else it would recreate the slice) and waits for it: its EXIT
+        trap deletes the slice. Then deletes the slice if it is still there (no loop was running, or
+        its delete failed)."""
         s = self.settings
+        where = [f"--project={s.project}", f"--zone={s.zone}"]
         commands = [
-            f"kill \"$(cat {self._out('logs', job.name + '.pid')})\" 2>/dev/null; "
-            + quote(["gcloud", "compute", "tpus", "queued-resources", "delete", job.name,
-                     f"--project={s.project}", f"--zone={s.zone}", "--force", "--quiet"])
+            f"pid=\"$(cat {self._out('logs', job.name + '.pid')} 2>/dev/null)\"; "
+            "if [ -n \"$pid\" ] && kill \"$pid\" 2>/dev/null; then "
+            "while kill -0 \"$pid\" 2>/dev/null; do sleep 1; done; fi; "
+            "if " + quote(["gcloud", "compute", "tpus", "queued-resources", "describe", job.name, *where])
+            + " >/dev/null 2>&1; then "
+            + quote(["gcloud", "compute", "tpus", "queued-resources", "delete", job.name, *where,
+                     "--force", "--quiet"]) + "; fi"
             for job in graph.select(names)]
         if execute:
             execute_ready([PlannedJob(f"cancel-{i}", (c,)) for i, c in enumerate(commands)],

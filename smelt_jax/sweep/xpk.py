@@ -39,15 +39,29 @@ SUBMIT_FIELDS = ("image", "bucket", "project", "zone", "cluster")
 CANCEL_FIELDS = ("project", "zone", "cluster")
 
 
+def capacity_selector(settings: CloudSettings) -> dict[str, str]:
+    """Node labels that pin the pods to the settings' capacity: GKE's `gke-spot` label on spot nodes,
+    a named reservation's `reservation-name`; none for on-demand or the zone's reservation. (The xpk
+    command cannot choose: its cluster's node pools are spot, on-demand or reserved as `xpk cluster
+    create --spot|--on-demand|--reservation` made them.)"""
+    if settings.capacity == "spot":
+        return {"cloud.google.com/gke-spot": "true"}
+    if settings.reservation:
+        return {"cloud.google.com/reservation-name": settings.reservation}
+    return {}
+
+
 def jobset_manifest(graph: JobGraph, job: Job, settings: CloudSettings) -> dict:
-    """The JobSet for one job: one replicated Job spanning the slice's hosts, one pod per host."""
+    """The JobSet for one job: one replicated Job spanning the slice's hosts, one pod per host, in
+    the Kueue LocalQueue `settings.queue`, on nodes of `settings.capacity`."""
     tpu = tpu_slice(tpu_type_for(job.run))
     paths = job_paths(graph, job, settings)
     pod_spec = {
         "restartPolicy": "Never",  # podFailurePolicy requires it
         "terminationGracePeriodSeconds": 300,  # SIGTERM -> the trainer saves, then exits 42
         "nodeSelector": {"cloud.google.com/gke-tpu-accelerator": tpu.gke_accelerator,
-                         "cloud.google.com/gke-tpu-topology": tpu.shape},
+                         "cloud.google.com/gke-tpu-topology": tpu.shape,
+                         **capacity_selector(settings)},
         "containers": [{
             "name": CONTAINER,
             "image": settings.image,

@@ -32,6 +32,7 @@ from smelt_jax.errors import SmeltError, UsageError
 from smelt_jax.rundir import RunDir, results_dir, run_dir
 from smelt_jax.train import lr as lr_lib
 from smelt_jax.train.step import optimizer
+from smelt_jax.train.wandb_log import wandb_writer
 
 PREEMPTED_EXIT_CODE = 42
 NONFINITE_EXIT_CODE = 3
@@ -61,6 +62,7 @@ class TrainOptions:
     # process runs (that one compiles). None: no trace.
     profile: tuple[int, int] | int | None = None
     tensorboard: bool = True  # event files in <phase>/tensorboard/ (smelt_jax.train.tensorboard)
+    wandb: str = ""  # W&B project the phase also logs to (smelt_jax.train.wandb_log); "": none
 
     def __post_init__(self) -> None:
         """Bad options fail here, before any start-up work (UsageError: one line, exit 2)."""
@@ -442,14 +444,14 @@ def _train_phase(run: RunSpec, branch: int | None, rd: RunDir, root: Path | None
 
     progress = None
     if options.progress and is_writer:
-        from tqdm.auto import tqdm
-        progress = tqdm(total=end - first, initial=step - first, unit="step",
-                        desc=f"{run.id} {'stable' if branch is None else f'branch{branch}'}",
-                        file=sys.stderr, dynamic_ncols=True)
+        from smelt_jax.progress import progress_bar  # tqdm on a terminal, else a line per log
+        progress = progress_bar(end - first, initial=step - first, unit="step",
+                                desc=f"{run.id} {'stable' if branch is None else f'branch{branch}'}")
     iterator = pipeline.iterator(step, stop_at - step)
     logged = None
     # Only process 0 writes metrics; the others log into the void.
-    log_context = (_Logs(MetricsWriter(metrics_file), _event_writer(rd, branch, options, step))
+    log_context = (_Logs(MetricsWriter(metrics_file), _event_writer(rd, branch, options, step, run=run),
+                         wandb_writer(options.wandb, run, branch, rd.phase(branch)))
                    if is_writer else NullWriter())
     profiler = None
     if options.profile is not None:
@@ -544,7 +546,8 @@ def _train_phase(run: RunSpec, branch: int | None, rd: RunDir, root: Path | None
             losses = evaluate_here()
         summary.update(val_loss=losses["overall"], losses=losses)
         if is_writer:
-            with _Logs(MetricsWriter(metrics_file), _event_writer(rd, branch, options)) as log:
+            with _Logs(MetricsWriter(metrics_file), _event_writer(rd, branch, options, run=run),
+                       wandb_writer(options.wandb, run, branch, rd.phase(branch))) as log:
                 log.write({"step": end, "eval": losses})
             summary["endpoint"] = write_endpoint(run, branch, losses, root=root, rd=rd)
     ckpt.close()
@@ -552,14 +555,15 @@ def _train_phase(run: RunSpec, branch: int | None, rd: RunDir, root: Path | None
 
 
 def _event_writer(rd: RunDir, branch: int | None, options: TrainOptions,
-                  resume_step: int | None = None):
+                  resume_step: int | None = None, run: RunSpec | None = None):
     """The phase's TensorBoard event writer (None when turned off). `resume_step`: the step training
     restarts from (its next logged step is resume_step + 1, from which older files are hidden)."""
     if not options.tensorboard:
         return None
-    from smelt_jax.train.tensorboard import EventWriter
+    from smelt_jax.train.tensorboard import EventWriter, run_hparams
     return EventWriter(rd.tensorboard(branch),
-                       start_step=None if resume_step is None else resume_step + 1)
+                       start_step=None if resume_step is None else resume_step + 1,
+                       hparams=None if run is None else run_hparams(run, branch))
 
 
 def write_endpoint(run: RunSpec, branch: int, losses: dict[str, float], *, root: Path | None,

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# baseline-100m-s0-stable-fd7fe19e: smelt16-100m-s0-baseline-55184b07 stable on v5p-128 (16 hosts); retries on preemption.
+# baseline-100m-s0-stable-fd7fe19e: smelt16-100m-s0-baseline-55184b07 stable on v5p-128 (16 hosts, spot); retries on preemption.
 # Checkpoints and results: gs://smelt-bucket/smelt/runs
+# The slice is deleted on every exit (the EXIT trap below), also on a failure or a kill.
 set -uo pipefail
 QR=baseline-100m-s0-stable-fd7fe19e
 MAX_RESTARTS=20
 POLL_SECONDS=${SMELT_POLL_SECONDS:-60}
+child=
 
 state() {
   gcloud compute tpus queued-resources describe "$QR" --project=smelt-proj --zone=us-east5-a \
@@ -14,6 +16,25 @@ state() {
 delete_slice() {
   gcloud compute tpus queued-resources delete "$QR" --project=smelt-proj --zone=us-east5-a --force --quiet
 }
+
+cleanup() {  # EXIT trap: stop the ssh, delete the slice if it is still there, keep the exit code
+  rc=$?
+  trap - EXIT INT TERM HUP
+  if [ -n "$child" ]; then
+    kill "$child" 2>/dev/null
+    wait "$child" 2>/dev/null
+  fi
+  if [ "$(state)" != MISSING ]; then
+    echo "$QR: deleting the slice (exit $rc)" >&2
+    delete_slice || echo "$QR: could not delete the slice; delete it by hand:" \
+      "gcloud compute tpus queued-resources delete $QR --project=smelt-proj --zone=us-east5-a --force" >&2
+  fi
+  exit "$rc"
+}
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+trap 'exit 129' HUP
 
 ensure_active() {  # 0 once the slice is ACTIVE, 1 if it failed or was preempted while waiting
   case "$(state)" in
@@ -34,8 +55,11 @@ ensure_active() {  # 0 once the slice is ACTIVE, 1 if it failed or was preempted
 attempt=0
 while true; do
   if ensure_active; then
-    gcloud compute tpus tpu-vm ssh baseline-100m-s0-stable-fd7fe19e --project=smelt-proj --zone=us-east5-a --worker=all '--command=sudo gcloud auth configure-docker us-docker.pkg.dev --quiet && sudo docker run --rm --privileged --net=host -e SMELT_RUNS_DIR=gs://smelt-bucket/smelt/runs -e SMELT_XLA_CACHE=gs://smelt-bucket/smelt/xla --entrypoint=python us-docker.pkg.dev/smelt-proj/smelt/smelt-jax:golden -m smelt_jax train smelt16-100m-s0-baseline-55184b07 --data-dir gs://smelt-bucket/smelt/data/smelt16 --layout data=1,fsdp=8,expert=8,tensor=1 --remat none'
+    gcloud compute tpus tpu-vm ssh baseline-100m-s0-stable-fd7fe19e --project=smelt-proj --zone=us-east5-a --worker=all '--command=sudo gcloud auth configure-docker us-docker.pkg.dev --quiet && sudo docker run --rm --privileged --net=host -e SMELT_RUNS_DIR=gs://smelt-bucket/smelt/runs -e SMELT_XLA_CACHE=gs://smelt-bucket/smelt/xla --entrypoint=python us-docker.pkg.dev/smelt-proj/smelt/smelt-jax:golden -m smelt_jax train smelt16-100m-s0-baseline-55184b07 --data-dir gs://smelt-bucket/smelt/data/smelt16 --layout data=1,fsdp=8,expert=8,tensor=1 --remat none' &
+    child=$!
+    wait "$child"  # in the background, so that a signal reaches the trap at once
     rc=$?
+    child=
     if [ "$rc" -eq 0 ]; then
       echo "$QR: done"
       delete_slice
