@@ -42,6 +42,11 @@ SEED_PAIR, SECOND_SEED = 40, 1  # the pair trained twice (its second seed is var
 LR_GRID = (3e-3, 6e-3, 1.2e-2)
 LR_WIDTHS = (24, 96)
 LR_HORIZON = 1e6
+# The rule's edge step (docs/nano.md): where the best of LR_GRID lay at an edge, one rate a factor 2 beyond
+# it. From the first 11 endpoints of the sweep (docs/results-nano.md): d24 best at 1.2e-2 for both
+# architectures, d96 best at 3e-3 for both.
+LR_EXTENSION = {("baseline", 24): 2.4e-2, ("smelt", 24): 2.4e-2, ("baseline", 96): 1.5e-3,
+                ("smelt", 96): 1.5e-3}
 # Peak rate per (arch, width), by the rule of docs/nano.md: None until the `nanolr` sweep has run.
 PEAK_LR: dict[tuple[str, int], float] | None = None
 
@@ -93,8 +98,9 @@ def lr_variant(peak_lr: float) -> str:
 
 
 def build_lr_sweep() -> list[RunSpec]:
-    return [_run(LR_SUITE, width, arch, schedule(lr, (LR_HORIZON,)), lr_variant(lr))
-            for arch in ("baseline", "smelt") for width in LR_WIDTHS for lr in LR_GRID]
+    points = [(arch, width, lr) for arch in ("baseline", "smelt") for width in LR_WIDTHS for lr in LR_GRID]
+    points += [(arch, width, lr) for (arch, width), lr in LR_EXTENSION.items()]
+    return [_run(LR_SUITE, width, arch, schedule(lr, (LR_HORIZON,)), lr_variant(lr)) for arch, width, lr in points]
 
 
 def lr_rule(best: dict[tuple[str, int], float]) -> dict[tuple[str, int], float]:

@@ -373,3 +373,31 @@ def test_inputs_from_a_mirror_and_a_missing_archive_is_one_line(tmp_path, monkey
     with pytest.raises(inputs.InputError, match="is not the pinned"):
         inputs.fetch_inputs(tmp_path / "data", PINNED_ARCHIVES[:1])
     assert (tmp_path / "data" / "archives" / (PINNED_ARCHIVES[0].filename + ".bad")).exists()
+
+
+def test_parallel_first_builds_of_the_default_corpus_do_not_race(tmp_path, monkeypatch):
+    """Two trainers of a local sweep that open the default corpus at once on a fresh machine: the build
+    is serialised (once it raised 'Directory not empty' when both extracted the same archive)."""
+    import threading
+
+    import smelt_jax.data.corpus as corpus_mod
+
+    monkeypatch.setenv("SMELT_DATA_DIR", str(tmp_path / "cache"))
+    inside, overlap = [], []
+
+    def fake_build(progress=False):
+        inside.append(1)
+        if len(inside) > 1:
+            overlap.append(1)
+        import time
+        time.sleep(0.2)
+        inside.pop()
+        return corpus_mod.BuildResult(tmp_path / "corpus", {}, built=False)
+
+    monkeypatch.setattr(corpus_mod, "build_corpus", fake_build)
+    threads = [threading.Thread(target=corpus_mod._build_default, args=(False,)) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not overlap and (tmp_path / "cache" / ".build.lock").exists()

@@ -76,7 +76,8 @@ def test_fixed_decay_schedules_keep_their_ids_and_dicts():
 
 def test_lr_sweep_covers_the_grid_at_two_widths_per_arch():
     runs = _runs()
-    assert len(runs) == 2 * len(nano.LR_WIDTHS) * len(nano.LR_GRID) and len({r.id for r in runs}) == len(runs)
+    assert len(runs) == 2 * len(nano.LR_WIDTHS) * len(nano.LR_GRID) + len(nano.LR_EXTENSION)
+    assert len({r.id for r in runs}) == len(runs)
     for run in runs:
         assert run.schedule.branch_tokens(0) == pytest.approx(nano.LR_HORIZON, rel=0.01)
         assert run.variant == nano.lr_variant(run.schedule.peak_lr) and run.tokenizer == "bytes"

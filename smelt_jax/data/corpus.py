@@ -346,5 +346,20 @@ def open_dataset(path=None, *, progress: bool = False, **kwargs) -> tsd.TokenSto
     no path, the embedded default corpus (fetched and built on first use, verified after). The one way
     the trainer, evaluation and the analyses find their data."""
     if path is None:
-        path = build_corpus(progress=progress).folder
+        path = _build_default(progress)
     return tsd.TokenStore(path, **kwargs)
+
+
+def _build_default(progress: bool) -> Path:
+    """The embedded default corpus, fetched and built by one process at a time: the trainers of a local
+    sweep all start on a fresh machine together and would otherwise race on the same archives."""
+    import fcntl
+
+    root = default_data_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / ".build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            return build_corpus(progress=progress).folder
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
