@@ -238,7 +238,7 @@ def _store_info(args) -> int:
 def _tokenizer_train(args) -> int:
     from collections import Counter
 
-    from smelt_jax.data import gcs
+    from smelt_jax import storage as gcs
     from smelt_jax.data.hf_tokenizer import TokenizerError, train_bpe
     from smelt_jax.data.prepare import INPUT_SUFFIXES, PrepareConfig, iter_texts
 

@@ -254,7 +254,7 @@ class GcsLease(LocalLock):
 
     def __init__(self, folder: str, *, description: str = "", stale_after: float | None = None) -> None:
         super().__init__(Path("."), description=description or str(folder), stale_after=stale_after)
-        from smelt_jax.data import gcs
+        from smelt_jax import storage as gcs
         self._gcs = gcs
         self.folder = str(folder).rstrip("/")
         self.path = f"{self.folder}/{LOCK_NAME}"
@@ -329,7 +329,8 @@ def _write_synced(path: Path, flags: int, data: bytes) -> None:
 
 def phase_lock(folder: str | os.PathLike, *, description: str = "") -> PhaseLock:
     """The lock of one run phase folder: `GcsLease` on gs://, else `LocalLock`."""
-    if str(folder).startswith("gs://"):
+    from smelt_jax import storage
+    if storage.is_gcs(folder):
         return GcsLease(str(folder), description=description)
     return LocalLock(folder, description=description)
 

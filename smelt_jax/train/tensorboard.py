@@ -31,7 +31,7 @@ from typing import Any
 
 import google_crc32c
 
-from smelt_jax.data import gcs
+from smelt_jax import storage as gcs
 
 FOLDER = "tensorboard"
 FILE_VERSION = "brain.Event:2"
