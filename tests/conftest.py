@@ -10,3 +10,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("SMELT_XLA_CACHE", tempfile.mkdtemp(prefix="smelt-xla-tests-"))
 
 import experiments  # noqa: E402,F401 — fills the library's suite registry (smelt_jax.suites), as the CLI does
+
+from smelt_jax.train.compile_cache import enable_compilation_cache  # noqa: E402
+
+# In-process trainers reuse the compiles of earlier tests through the same per-run folder.
+enable_compilation_cache(os.environ["SMELT_XLA_CACHE"])
