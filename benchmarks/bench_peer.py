@@ -367,7 +367,7 @@ def tables(cands: list[Candidate], notes: list[str], header: str) -> str:
 def run() -> str:
     import jax
 
-    from smelt_jax.train.trainer import enable_compilation_cache
+    from smelt_jax.train.compile_cache import enable_compilation_cache
 
     enable_compilation_cache()  # the trainer's persistent XLA cache: a rerun skips most compiles
     started = time.perf_counter()

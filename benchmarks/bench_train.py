@@ -25,7 +25,7 @@ def run() -> str:
     from smelt_jax.data.pipeline import TrainPipeline
     from smelt_jax.train.state import init_params
     from smelt_jax.train.step import make_train_step, optimizer
-    from smelt_jax.train.trainer import peak_flops_per_device
+    from smelt_jax.train.mfu import peak_flops_per_device
 
     corpus = open_dataset(None)
     peak, peak_source = peak_flops_per_device()

@@ -1,5 +1,7 @@
 """Experiment suites, built from code. `load_suite(name)` returns its runs; `find_run(id)` any run.
 
+The library reaches them through `smelt_jax.suites`, which importing this package fills (`register`).
+
 Suites: `smelt16` (the paper's 16 matched pairs), `ablations200m` (loop span, depth, loop count),
 `micro` (the same structure, shrunk to train on a 2-core CPU), `ablationsmicro` (the ablations at micro
 scale), `smoke` (a subset of `micro`), `nano` (one sparsity, widths and tokens chosen so the law can be
@@ -51,3 +53,20 @@ def find_run(run_id: str) -> RunSpec:
     near = difflib.get_close_matches(run_id, ids, n=3, cutoff=0.5)
     hint = f"; nearest: {', '.join(near)}" if near else ""
     raise UnknownName(f"no run with id {run_id!r}{hint} (list them with `smelt experiments list`)")
+
+
+def placement_for(run: RunSpec):
+    """The run's TPU placement (`experiments.placement.placement_for`)."""
+    from experiments.placement import placement_for as placement
+    return placement(run)
+
+
+def register() -> None:
+    """Fill the library's suite registry (`smelt_jax.suites`) with these suites."""
+    import sys
+
+    from smelt_jax import suites
+    suites.register(sys.modules[__name__])
+
+
+register()

@@ -92,17 +92,17 @@ def _content(run: RunSpec) -> str:
 def layouts(suite: str) -> dict[str, Parallelism]:
     """The suite's layout table: {layout key: Parallelism with tpu_type and remat set} for every run
     that has one ({} for the CPU suites: their runs keep their own layout)."""
-    import experiments
+    from smelt_jax import suites  # this package, through the registry it fills (no import cycle)
 
     if suite == "smelt16":
         return smelt16_layouts()
     if suite == "ablations200m":
         compiled = load_layouts(layouts_file(suite))
         smelt16 = smelt16_layouts()
-        by_content = {_content(r): smelt16[run_key(r)] for r in experiments.load_suite("smelt16")
+        by_content = {_content(r): smelt16[run_key(r)] for r in suites.load_suite("smelt16")
                       if run_key(r) in smelt16}
         table = {}
-        for run in experiments.load_suite(suite):
+        for run in suites.load_suite(suite):
             key = run_key(run)
             table[key] = (compiled.get(key) or by_content.get(_content(run))
                           or derived_layout(run, ABLATIONS200M_POLICY))

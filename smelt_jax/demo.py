@@ -59,7 +59,7 @@ def endpoint_checks(results: pd.DataFrame, root: Path | None = None) -> list[str
       (the mean of the last few logged steps there);
     - of two branches of one run, the longer should end lower.
     """
-    from experiments import find_run
+    from smelt_jax.suites import find_run
     from smelt_jax.rundir import run_dir
 
     problems = []

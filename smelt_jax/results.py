@@ -14,7 +14,7 @@ files. A reader of a folder it cannot write reads without the lock (a read-only 
 The files get the permissions of any new file (0666 less the umask: group-readable under the usual
 022 umask), not mkstemp's private 0600.
 
-A folder on Cloud Storage (`gs://...`, through `smelt_jax.data.gcs`) has no file lock: an append reads
+A folder on Cloud Storage (`gs://...`, through `smelt_jax.storage`) has no file lock: an append reads
 the table object, replaces the row and writes the parquet and CSV objects whole (each object write is
 atomic, so a reader never sees half a table). Two endpoints appending at the same instant can lose one
 row (the later write wins); every endpoint also writes its row to its `endpoint.json`, from which
@@ -181,7 +181,8 @@ def _order_columns(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def _is_gcs(folder) -> bool:
-    return str(folder).startswith("gs://")
+    from smelt_jax.storage import is_gcs
+    return is_gcs(folder)
 
 
 def _folder(folder) -> Path | str:
@@ -193,7 +194,7 @@ def _folder(folder) -> Path | str:
 def _read_gcs_table(folder: str) -> pd.DataFrame:
     import io
 
-    from smelt_jax.data import gcs
+    from smelt_jax import storage as gcs
     try:
         data = gcs.read_bytes(f"{folder}/{TABLE_NAME}")
     except FileNotFoundError:
@@ -204,7 +205,7 @@ def _read_gcs_table(folder: str) -> pd.DataFrame:
 def _write_gcs_table(folder: str, table: pd.DataFrame, parquet: bool = True) -> None:
     import io
 
-    from smelt_jax.data import gcs
+    from smelt_jax import storage as gcs
     if parquet:
         buffer = io.BytesIO()
         table.to_parquet(buffer, index=False)
@@ -227,7 +228,7 @@ def _set_aside(folder, err: ResultsDamaged, warn: bool = True):
     import warnings
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     if _is_gcs(folder):
-        from smelt_jax.data import gcs
+        from smelt_jax import storage as gcs
         aside = f"{folder}/{TABLE_NAME}.damaged-{stamp}"
         gcs.write_bytes(aside, gcs.read_bytes(f"{folder}/{TABLE_NAME}"))
         gcs.delete(f"{folder}/{TABLE_NAME}")
@@ -299,7 +300,7 @@ def rewrite_csv(folder: str | os.PathLike) -> bool:
     """Rewrite results.csv from results.parquet (the source of truth); False if there is no table."""
     folder = _folder(folder)
     if _is_gcs(folder):
-        from smelt_jax.data import gcs
+        from smelt_jax import storage as gcs
         if not gcs.exists(f"{folder}/{TABLE_NAME}"):
             return False
         _write_gcs_table(folder, _read_gcs_table(folder), parquet=False)

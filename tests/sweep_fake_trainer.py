@@ -3,7 +3,7 @@
 It writes the artifacts the real trainer writes, in the same order and the same way, without
 training: the stable phase commits a checkpoint folder per fork step (written under an orbax-style
 temporary name, then renamed, so a kill never leaves a committed half checkpoint) and resumes after
-the last committed one, after moving aside (`<step>.damaged`) any step `rundir.checkpoint_damage`
+the last committed one, after moving aside (`<step>.damaged`) any step `checkpoint_format.checkpoint_damage`
 finds damaged, as the real trainer does; a branch checks its fork checkpoint, writes `endpoint.json`
 atomically, then appends the row to the results store.
 
@@ -28,14 +28,13 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from experiments import find_run
-from smelt_jax.rundir import (
+from smelt_jax.checkpoint_format import (
     DAMAGED_SUFFIX,
     checkpoint_committed,
     checkpoint_damage,
     committed_steps,
-    results_dir,
-    run_dir,
 )
+from smelt_jax.rundir import results_dir, run_dir
 
 
 def log(line: str) -> None:

@@ -12,8 +12,8 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from smelt_jax.checkpoint_format import CHECKSUM_FILE
 from smelt_jax.train.checkpoint import (
-    CHECKSUM_FILE,
     CheckpointCorruptionWarning,
     Checkpointer,
     CheckpointError,

@@ -16,7 +16,7 @@ import pytest
 from gcs_emulator import BUCKET, gcs_emulator  # noqa: F401 - the fixture
 
 from smelt_jax.cli import main
-from smelt_jax.data import gcs
+from smelt_jax import storage as gcs
 from smelt_jax.data.hf_tokenizer import HFTokenizer
 from smelt_jax.data.pipeline import TrainPipeline, validation_sets
 from smelt_jax.data.prepare import PrepareConfig, prepare

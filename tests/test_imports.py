@@ -1,6 +1,8 @@
 """The package's import structure, read from the source with `ast` (nothing is imported): no import
 cycle, and no module importing from a higher layer. Module-level and function-level imports count
-alike (a lazy import is still a dependency)."""
+alike (a lazy import is still a dependency). The suites in `experiments/` (top of the repository) are
+covered too: they sit above the library (layer 6.5, under the CLI), so no library module imports them
+(the library reaches them through the `smelt_jax.suites` registry) and they import no entry point."""
 
 from __future__ import annotations
 
@@ -9,6 +11,8 @@ from pathlib import Path
 
 PACKAGE = "smelt_jax"
 ROOT = Path(__file__).resolve().parents[1] / PACKAGE
+SUITES = "experiments"  # the suites package, beside the library; its modules keep their full names
+SUITES_ROOT = ROOT.parent / SUITES
 
 # Layers, low to high: a module may import its own layer and lower ones. Keys are module paths under
 # smelt_jax ("" is the package itself); the longest matching key decides. Every top-level module and
@@ -27,7 +31,11 @@ LAYERS: dict[str, int] = {
     "descriptors": 0,
     "matching": 0,
     "overrides": 0,  # --override key=value on a RunSpec
-    "rundir": 0,
+    "rundir": 0,  # paths only
+    "storage": 0,  # the one storage module: local paths and gs://
+    "checkpoint_format": 0,  # the checkpoint format on disk (no JAX)
+    "suites": 0,  # the registry through which the library reaches experiments/
+    "exit_codes": 0,  # process exit codes (42: preempted, restart me)
     "results": 0,
     "data": 0,
     "progress": 0,  # tqdm on a terminal, plain lines elsewhere (trainer, local sweep)
@@ -48,6 +56,9 @@ LAYERS: dict[str, int] = {
     "sweep": 5,
     # 6 - end-to-end jobs.
     "demo": 6,
+    # 6.5 - the suites (experiments/, outside the package): built from the library, read by it only
+    # through the smelt_jax.suites registry; the CLI imports them (and so fills the registry).
+    SUITES: 6.5,
     # 7 - entry points.
     "cli": 7,
     "notebooks_runner": 7,
@@ -56,13 +67,15 @@ LAYERS: dict[str, int] = {
 
 
 def _modules() -> dict[str, Path]:
-    """Dotted name (without the package prefix; "" for the package) -> source file."""
+    """Dotted name (without the package prefix; "" for the package; `experiments.*` in full) -> source
+    file."""
     found = {}
-    for path in sorted(ROOT.rglob("*.py")):
-        parts = list(path.relative_to(ROOT).with_suffix("").parts)
-        if parts[-1] == "__init__":
-            parts = parts[:-1]
-        found[".".join(parts)] = path
+    for root, prefix in ((ROOT, []), (SUITES_ROOT, [SUITES])):
+        for path in sorted(root.rglob("*.py")):
+            parts = prefix + list(path.relative_to(root).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            found[".".join(parts)] = path
     return found
 
 
@@ -83,6 +96,8 @@ def _relative(absolute: str) -> str | None:
         return ""
     if absolute.startswith(PACKAGE + "."):
         return absolute[len(PACKAGE) + 1:]
+    if absolute == SUITES or absolute.startswith(SUITES + "."):
+        return absolute
     return None
 
 
@@ -90,6 +105,7 @@ def _imports(module: str, path: Path) -> set[str]:
     """The package modules that `module` imports anywhere in its source (relative imports resolved;
     `from a import b` counts as importing a.b when b is a module, else a)."""
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    suites = module == SUITES or module.startswith(SUITES + ".")
     targets: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
@@ -98,7 +114,8 @@ def _imports(module: str, path: Path) -> set[str]:
             if node.level:
                 base = package.split(".") if package else []
                 base = base[:len(base) - (node.level - 1)]
-                absolute = ".".join([PACKAGE, *base] + ([node.module] if node.module else []))
+                absolute = ".".join(([] if suites else [PACKAGE]) + base
+                                    + ([node.module] if node.module else []))
             else:
                 absolute = node.module or ""
             base_name = _relative(absolute)
@@ -132,6 +149,8 @@ def _layer(module: str) -> int | None:
 
 
 def _show(module: str) -> str:
+    if module == SUITES or module.startswith(SUITES + "."):
+        return module
     return f"{PACKAGE}.{module}" if module else PACKAGE
 
 
@@ -161,6 +180,22 @@ def test_the_graph_is_read_from_the_source():
     assert {"config", "model.moe", "kernels.experts"} <= set(MODULES)
     assert "kernels.experts" in GRAPH["model.expert_compute"]  # a module-level import
     assert "kernels.pallas_ffn" in GRAPH["kernels.experts"]  # a function-level import
+    assert {"experiments", "experiments.smelt16", "experiments.placement"} <= set(MODULES)
+    assert "descriptors" in GRAPH["experiments"]  # the suites import the library
+    assert "experiments" in GRAPH["cli.train"]  # the CLI imports the suites (filling the registry)
+
+
+def test_no_library_module_imports_the_suites():
+    """The library reads suites through `smelt_jax.suites`; only entry points import `experiments`."""
+    found = sorted(f"{_show(m)} imports {_show(t)}" for m, targets in GRAPH.items() for t in targets
+                   if (t == SUITES or t.startswith(SUITES + ".")) and _layer(m) < LAYERS[SUITES])
+    assert not found, "library modules importing experiments/:\n" + "\n".join(found)
+
+
+def test_a_library_import_of_the_suites_would_be_caught(tmp_path):
+    source = tmp_path / "graph.py"
+    source.write_text("def f():\n    import experiments\n    from experiments.placement import x\n")
+    assert _imports("sweep.graph", source) == {"experiments", "experiments.placement"}
 
 
 def test_no_import_cycle():

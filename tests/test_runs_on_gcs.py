@@ -9,7 +9,7 @@ import os
 import pytest
 
 from gcs_emulator import BUCKET, gcs_emulator  # noqa: F401 - the fixture
-from smelt_jax.data import gcs
+from smelt_jax import storage as gcs
 from smelt_jax.results import EndpointResult, append_result, read_results, rewrite_csv
 from smelt_jax.rundir import results_dir, run_dir, runs_root
 from smelt_jax.train.metrics_log import MetricsWriter, latest_per_step, read_metrics
@@ -58,7 +58,7 @@ def test_tensorboard_and_profile_on_a_bucket(bucket_root, tmp_path):
     import jax.numpy as jnp
 
     from smelt_jax.train.tensorboard import EventWriter
-    from smelt_jax.train.trainer import _Profiler
+    from smelt_jax.train.hooks import Profiler
 
     folder = f"{bucket_root}/stable/tensorboard"
     with EventWriter(folder) as writer:
@@ -73,7 +73,7 @@ def test_tensorboard_and_profile_on_a_bucket(bucket_root, tmp_path):
     acc.Reload()
     assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(1, 2.0), (2, 1.5)]
 
-    profiler = _Profiler(f"{bucket_root}/stable/profile", 0, 1)
+    profiler = Profiler(f"{bucket_root}/stable/profile", 0, 1)
     profiler.before(0)
     x = jnp.ones((64, 64))
     profiler.after(1, x @ x)
@@ -88,7 +88,6 @@ def _row(branch: int, loss: float) -> EndpointResult:
 
 
 def test_results_and_endpoint_json_on_a_bucket(bucket_root):
-    from smelt_jax.train.trainer import _exists, _write_json_atomically
 
     folder = f"{bucket_root}/unit"
     append_result(_row(0, 3.0), folder)
@@ -100,9 +99,9 @@ def test_results_and_endpoint_json_on_a_bucket(bucket_root):
     assert rewrite_csv(folder) and not rewrite_csv(f"{bucket_root}/none")
 
     rd = run_dir("unit", "unit-run", bucket_root)
-    assert not _exists(rd.endpoint(0))
-    _write_json_atomically(rd.endpoint(0), {"val_loss": 2.9})
-    assert _exists(rd.endpoint(0))
+    assert not gcs.exists(rd.endpoint(0))
+    gcs.write_json(rd.endpoint(0), {"val_loss": 2.9})
+    assert gcs.exists(rd.endpoint(0))
     assert json.loads(gcs.read_text(str(rd.endpoint(0)))) == {"val_loss": 2.9}
 
 
@@ -127,7 +126,7 @@ def test_micro_run_on_a_bucket_resumes_and_matches_a_local_run(bucket_root, corp
     without which an OCDBT manifest committed in more than one batch failed with "Malformed
     StorageGeneration" (2 of 4 runs)."""
     pytest.importorskip("gcsfs")  # orbax reaches gs:// through etils.epath -> fsspec -> gcsfs
-    from smelt_jax.rundir import committed_steps
+    from smelt_jax.checkpoint_format import committed_steps
     from smelt_jax.train.trainer import Preempted, TrainOptions, train
     from tests.test_trainer import OPTIONS, _run
 
@@ -194,7 +193,7 @@ def test_lease_on_a_bucket_is_exclusive_and_taken_over_when_stale(bucket_root):
 
 XLA_CACHE_SCRIPT = """
 import jax, jax.numpy as jnp
-from smelt_jax.train.trainer import enable_compilation_cache
+from smelt_jax.train.compile_cache import enable_compilation_cache
 enable_compilation_cache()
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)  # cache even this small program
 print(float(jax.jit(lambda x: jnp.sin(x) @ x.T + 1)(jnp.ones((64, 64))).sum()))
@@ -273,11 +272,10 @@ def test_lease_race_on_a_bucket_has_one_winner(bucket_root):
 
 def test_results_collect_reads_endpoints_from_the_bucket(bucket_root, tmp_path):
     from smelt_jax.sweep.collect import collect
-    from smelt_jax.train.trainer import _write_json_atomically
 
     for branch, loss in ((0, 3.0), (1, 2.5)):
         row = _row(branch, loss).to_row()
-        _write_json_atomically(run_dir("unit", "unit-run", bucket_root).endpoint(branch), row)
+        gcs.write_json(run_dir("unit", "unit-run", bucket_root).endpoint(branch), row)
     gcs.write_text(f"{bucket_root}/unit/unit-run/stable/metrics.jsonl", "{}\n")  # not an endpoint
     reports = collect(bucket_root, store_root=bucket_root)  # suites found on the bucket
     assert [(r.suite, r.endpoints, r.appended) for r in reports] == [("unit", 2, 2)]

@@ -10,7 +10,7 @@ import warnings
 import pytest
 
 from smelt_jax.cli.train import parse_profile
-from smelt_jax.data import gcs
+from smelt_jax import storage as gcs
 from smelt_jax.rundir import run_dir
 from smelt_jax.train import tensorboard as tb
 from smelt_jax.train.metrics_log import latest_per_step, read_metrics

@@ -11,7 +11,8 @@ from smelt_jax.config import ModelConfig, Schedule
 from smelt_jax.data.pipeline import TrainPipeline
 from smelt_jax.descriptors import RunSpec
 from smelt_jax.results import read_results
-from smelt_jax.rundir import committed_steps, results_dir, run_dir
+from smelt_jax.checkpoint_format import committed_steps
+from smelt_jax.rundir import results_dir, run_dir
 from smelt_jax.train.checkpoint import Checkpointer
 from smelt_jax.train.trainer import NonFiniteLoss, Preempted, TrainOptions, train
 from tests.data_helpers import build_tiny_corpus
@@ -53,8 +54,10 @@ def _params(root, run, step, branch=None):
 
 def test_same_seed_same_losses_and_loss_decreases(tmp_path, corpus):
     run = _run()
+    cache = jax.config.jax_compilation_cache_dir
     for name in ("a", "b"):
         train(run, root=tmp_path / name, corpus=corpus, options=OPTIONS)
+    assert jax.config.jax_compilation_cache_dir == cache  # the trainer sets no global JAX configuration
     first, second = _losses(tmp_path / "a", run), _losses(tmp_path / "b", run)
     assert len(first) == SCHEDULE.stable_steps
     assert first == second
@@ -137,7 +140,8 @@ SIGTERM_SCRIPT = """
 import sys
 from pathlib import Path
 sys.path.insert(0, {repo!r})
-from smelt_jax.train.trainer import PREEMPTED_EXIT_CODE, Preempted, TrainOptions, train
+from smelt_jax.exit_codes import PREEMPTED
+from smelt_jax.train.trainer import Preempted, TrainOptions, train
 from smelt_jax.data.token_store import TokenStore
 from tests.test_trainer import OPTIONS, _run
 import dataclasses
@@ -147,7 +151,7 @@ try:
     train(run, root=Path({root!r}), corpus=TokenStore({corpus!r}),
           options=dataclasses.replace(OPTIONS, checkpoint_every=1000))
 except Preempted:
-    sys.exit(PREEMPTED_EXIT_CODE)
+    sys.exit(PREEMPTED)
 """
 
 

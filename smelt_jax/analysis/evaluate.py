@@ -165,8 +165,8 @@ def _find_run_root(target: str, root: Path | None) -> tuple[Path, int | None, in
     matches = sorted(base.glob(f"*/{target}/run.json"))
     if matches:
         return matches[0].parent, None, None
-    import experiments
-    run = experiments.find_run(target)  # UnknownName (a KeyError) for an unknown id
+    from smelt_jax import suites
+    run = suites.find_run(target)  # UnknownName (a KeyError) for an unknown id
     folder = run_dir(run.suite, run.id, base).root
     if not (folder / "run.json").is_file():
         raise MissingInput(f"run {target} has not been trained under {base} (no {folder}/run.json)")
@@ -202,7 +202,7 @@ def load_model(target: str, branch: int | None = None, *, root: Path | None = No
         raise MissingInput(f"no checkpoints at {folder} (train that phase first: `smelt train`)")
     graphdef, abstract_state = abstract_train_state(cfg, optimizer(schedule))
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    with Checkpointer(folder) as checkpointer:
+    with Checkpointer(folder, read_only=True) as checkpointer:  # a reader: orbax changes nothing
         restored_step, state, _ = checkpointer.restore(abstract_like(abstract_state, device), step=step)
     model = nnx.merge(graphdef, state["params"])
     return LoadedModel(model=model, cfg=cfg, run=run, run_root=run_root, branch=branch, step=restored_step)

@@ -287,7 +287,7 @@ def write_tables(tables: dict[str, pd.DataFrame], folder) -> list[Any]:
     """Each table as `<folder>/<name>.csv` (a local folder or gs://...); returns the paths (URLs)."""
     from pathlib import Path
 
-    from smelt_jax.data import gcs
+    from smelt_jax import storage as gcs
 
     if gcs.is_gcs(folder):
         urls = [gcs.join(str(folder), f"{name}.csv") for name in tables]

@@ -17,6 +17,7 @@ import sys
 import warnings
 
 from smelt_jax.errors import SmeltError
+from smelt_jax.exit_codes import USER_ERROR
 from smelt_jax.platform import pin_cpu_without_accelerator
 
 
@@ -86,16 +87,17 @@ def _describe_commands(parser: argparse.ArgumentParser) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     pin_cpu_without_accelerator()
+    import experiments  # noqa: F401 — the suites fill the library's registry (smelt_jax.suites)
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "handler", None):
         parser.print_help()
-        return 2
+        return USER_ERROR
     try:
         return int(args.handler(args) or 0)
     except SmeltError as err:  # the user's input was wrong: one line; anything else is a bug
         print(f"smelt: error: {err}", file=sys.stderr)
-        return 2
+        return USER_ERROR
     except BrokenPipeError:
         return 0
 

@@ -57,7 +57,8 @@ def register(subparsers) -> None:
     prep.add_argument("--subset", default=None, metavar="I/N",
                       help="tokenize only shards I, I+N, I+2N, ... and stop before assembling (one subset "
                            "per machine; then a run without --subset assembles the store)")
-    prep.add_argument("--force", action="store_true", help="replace an existing store of other inputs, tokenizer or config (swapped in only "
+    prep.add_argument("--force", action="store_true",
+                      help="replace an existing store of other inputs, tokenizer or config (swapped in only "
                            "once the new one is complete) and retokenize every shard (drop reusable parts)")
     prep.add_argument("--clean-parts", action="store_true",
                       help="delete the per-shard parts once the store is written (no later reuse)")

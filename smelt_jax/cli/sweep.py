@@ -13,8 +13,8 @@ BACKENDS = ("local", "xpk", "tpu-vm")
 
 
 def _runs_root(value: str | None):
-    """--runs-dir as a path (a gs:// URL stays whole: rundir.as_path), or None for the default."""
-    from smelt_jax.rundir import as_path
+    """--runs-dir as a path (a gs:// URL stays whole: storage.as_path), or None for the default."""
+    from smelt_jax.storage import as_path
     return as_path(value) if value else None
 
 

@@ -4,45 +4,19 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import sys
 
 from smelt_jax.cli import CliError, filesystem_errors, one_line_warnings
+from smelt_jax.config import REMAT_POLICIES
 from smelt_jax.errors import UsageError
+from smelt_jax.exit_codes import NONFINITE, PREEMPTED
 from smelt_jax.overrides import apply_overrides
 
 
-class _NoOrphanFutureErrors(logging.Filter):
-    """asyncio's "Future/Task exception was never retrieved": orbax's background writers after a
-    failed save, which the trainer reports itself (one line)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "exception was never retrieved" not in str(record.msg)
-
-
-_QUIETED = False
-
-
-def _quiet_closed_loops() -> None:
-    """After a failed save, tensorstore callbacks still post to orbax's closed event loops (Python
-    prints each as "Exception ignored ... Event loop is closed" with a traceback) and asyncio logs,
-    when they are garbage collected, the futures nobody awaits any more ("... exception was never
-    retrieved"), up to the process's exit. The trainer reports the failure itself, in one line, so
-    these two kinds of messages are dropped for the rest of the process (nothing else is)."""
-    global _QUIETED
-    if _QUIETED:
-        return
-    _QUIETED = True
-    logging.getLogger("asyncio").addFilter(_NoOrphanFutureErrors())
-    previous = sys.unraisablehook
-
-    def hook(unraisable) -> None:
-        err = unraisable.exc_value
-        if isinstance(err, RuntimeError) and str(err) == "Event loop is closed":
-            return
-        previous(unraisable)
-
-    sys.unraisablehook = hook
+def _default(name: str):
+    """A TrainOptions field's default: the CLI's defaults are the dataclass's (no second copy)."""
+    from smelt_jax.train.trainer import TrainOptions
+    return {f.name: f.default for f in dataclasses.fields(TrainOptions)}[name]
 
 
 def parse_profile(text: str | None) -> tuple[int, int] | int | None:
@@ -68,6 +42,11 @@ def cmd_train(args) -> int:
                            eval_every=args.eval_every, stop_after=args.stop_after,
                            progress=not args.quiet, profile=profile, tensorboard=not args.no_tensorboard,
                            wandb=args.wandb or "")
+    from smelt_jax import storage
+    from smelt_jax.rundir import runs_root
+    from smelt_jax.storage import as_path
+    root = as_path(args.runs_dir) if args.runs_dir else runs_root()  # an unsupported scheme: one line
+    storage.require_folder(root, "runs root")
     import experiments
     run = apply_overrides(experiments.find_run(args.id), args.override or [])
     if args.branch is not None and not 0 <= args.branch < len(run.schedule.fork_steps):
@@ -82,36 +61,29 @@ def cmd_train(args) -> int:
     # Before anything touches a device: join the multi-host job (a no-op on one machine).
     distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     from smelt_jax.train.checkpoint import CheckpointSaveError
+    from smelt_jax.train.compile_cache import enable_compilation_cache
     from smelt_jax.train.lock import LockHeld, LockLost
-    from smelt_jax.train.trainer import (
-        NONFINITE_EXIT_CODE,
-        PREEMPTED_EXIT_CODE,
-        NonFiniteLoss,
-        Preempted,
-        train,
-    )
-    from smelt_jax.rundir import as_path
+    from smelt_jax.train.trainer import NonFiniteLoss, Preempted, train
 
     corpus = None
     if args.data_dir:
         from smelt_jax.data.corpus import open_dataset
         corpus = open_dataset(args.data_dir)
-    _quiet_closed_loops()
+    enable_compilation_cache()  # global JAX configuration: the entry point's, not the trainer's
     from smelt_jax.train.report import finish_lines
-    root = as_path(args.runs_dir) if args.runs_dir else None
     runs_dir_flag = f"--runs-dir {args.runs_dir}" if args.runs_dir else ""
     try:
         with one_line_warnings():
-            summary = train(run, args.branch, root=root,
-                            options=options, parallelism=parallelism, corpus=corpus)
+            summary = train(run, args.branch, root=root, options=options, parallelism=parallelism,
+                            corpus=corpus)
     except Preempted as err:
         print(f"smelt: {err}", file=sys.stderr)
         for line in finish_lines(run, args.branch, root, stopped=True, runs_dir_flag=runs_dir_flag):
             print(line, file=sys.stderr)
-        return PREEMPTED_EXIT_CODE
+        return PREEMPTED
     except NonFiniteLoss as err:
         print(f"smelt: error: {err}", file=sys.stderr)
-        return NONFINITE_EXIT_CODE
+        return NONFINITE
     except (LockHeld, LockLost, CheckpointSaveError, NotImplementedError) as err:
         raise CliError(str(err)) from None
     for line in finish_lines(run, args.branch, root, runs_dir_flag=runs_dir_flag):
@@ -123,8 +95,9 @@ def cmd_train(args) -> int:
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "train", help="train a run's stable phase, or one decay branch (--branch K)",
-        description="Resumes from the newest good checkpoint. Exit codes: 0 done, 42 stopped after "
-                    "saving (SIGTERM/SIGINT or --stop-after; restart to resume), 3 non-finite loss.")
+        description=f"Resumes from the newest good checkpoint. Exit codes: 0 done, {PREEMPTED} stopped "
+                    "after saving (SIGTERM/SIGINT or --stop-after; restart to resume), "
+                    f"{NONFINITE} non-finite loss.")
     p.add_argument("id", help="run id (smelt experiments list)")
     p.add_argument("--branch", type=int, help="decay branch index (forks at schedule.fork_steps[K])")
     p.add_argument("--override", nargs="+", action="extend", metavar="KEY=VALUE",
@@ -132,11 +105,15 @@ def register(subparsers) -> None:
     p.add_argument("--runs-dir", help="runs root: a local path or gs://... (default $SMELT_RUNS_DIR or ./runs)")
     p.add_argument("--data-dir", help="token store (smelt data prepare; local or gs://) or corpus folder "
                                        "(default: the embedded corpus)")
-    p.add_argument("--log-every", type=int, default=10, help="log metrics every N steps (default 10)")
-    p.add_argument("--checkpoint-every", type=int, default=100,
-                   help="save a checkpoint every N steps (default 100; fork steps are always saved)")
-    p.add_argument("--eval-every", type=int, default=0, help="0: at the end of the phase only")
-    p.add_argument("--stop-after", type=int, help="save and exit 42 after this many steps")
+    p.add_argument("--log-every", type=int, default=_default("log_every"),
+                   help=f"log metrics every N steps (default {_default('log_every')})")
+    p.add_argument("--checkpoint-every", type=int, default=_default("checkpoint_every"),
+                   help=f"save a checkpoint every N steps (default {_default('checkpoint_every')}; "
+                        "fork steps are always saved)")
+    p.add_argument("--eval-every", type=int, default=_default("eval_every"),
+                   help="evaluate every N steps (default 0: never during training; a decay branch is "
+                        "always evaluated at its end)")
+    p.add_argument("--stop-after", type=int, help=f"save and exit {PREEMPTED} after this many steps")
     p.add_argument("--quiet", action="store_true", help="no progress bar or progress lines (the final summary is still printed)")
     p.add_argument("--profile", metavar="STEPS|START:STOP",
                    help="write a jax.profiler trace into <phase>/profile/: of the STEPS steps after "
@@ -147,7 +124,7 @@ def register(subparsers) -> None:
                    help="also log to this Weights & Biases project (pip install 'smelt_jax[wandb]'; "
                         "WANDB_MODE=offline keeps it in local files)")
     p.add_argument("--layout", help="mesh sizes, e.g. data=-1,fsdp=8,expert=4 (default: the run's)")
-    p.add_argument("--remat", choices=("none", "full", "dots", "dots_no_batch"),
+    p.add_argument("--remat", choices=tuple(REMAT_POLICIES),
                    help="rematerialisation policy (default: the run's layout)")
     p.add_argument("--coordinator", help="host:port of process 0 (multi-host without auto-detection)")
     p.add_argument("--num-processes", type=int, help="processes in a multi-host job (with --coordinator)")

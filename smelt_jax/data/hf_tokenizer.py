@@ -23,7 +23,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from smelt_jax.data import gcs
+from smelt_jax import storage as gcs
 from smelt_jax.data.tokenizer import DEFAULT_TOKENIZER, ByteTokenizer
 from smelt_jax.errors import SmeltError
 

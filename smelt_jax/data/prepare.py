@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from smelt_jax.data import gcs
+from smelt_jax import storage as gcs
 from smelt_jax.data import input_checks
 from smelt_jax.data import token_store as tsd
 from smelt_jax.errors import SmeltError, UsageError

@@ -40,7 +40,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from smelt_jax.data import gcs
+from smelt_jax import storage as gcs
 from smelt_jax.errors import SmeltError, UnknownName
 
 STORE_FORMAT = "smelt-token-store/1"

@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 from typing import Protocol
 
+from smelt_jax import storage
 from smelt_jax.rundir import results_path, run_dir
 from smelt_jax.sweep.graph import Job, JobGraph, JobStatus, artifact_statuses
 from smelt_jax.sweep.tpu import layout_args
@@ -90,7 +91,7 @@ class CloudSettings:
     data_dir: str = ""                 # token store the jobs train on (gs://...); "" = the embedded corpus
 
     def __post_init__(self) -> None:
-        if not self.bucket.startswith("gs://"):
+        if not storage.is_gcs(self.bucket):
             raise UsageError(f"--bucket must be a gs:// path, got {self.bucket!r}")
         if self.max_restarts < 0:
             raise UsageError(f"max_restarts must be >= 0, got {self.max_restarts}")
@@ -101,7 +102,7 @@ class CloudSettings:
                              f"got --capacity {self.capacity}")
         if not self.queue.strip():
             raise UsageError("--queue must name a Kueue LocalQueue")
-        if self.data_dir and not self.data_dir.startswith("gs://"):
+        if self.data_dir and not storage.is_gcs(self.data_dir):
             raise UsageError(f"--data-dir must be a gs:// token store the TPU hosts can read, got "
                              f"{self.data_dir!r}")
 

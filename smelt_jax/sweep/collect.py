@@ -5,7 +5,7 @@ the suite's store; a process killed between the two leaves an endpoint without i
 appends every such row, so no endpoint is lost and none is trained twice. Appends replace rows of the
 same (run_id, branch), so collecting twice changes nothing.
 
-Run folders may be local or on a bucket (gs://, read directly through `smelt_jax.data.gcs`, i.e.
+Run folders may be local or on a bucket (gs://, read directly through `smelt_jax.storage`, i.e.
 tensorstore: no gcsfs needed); the rows go to the results store of each suite under `store_root`
 (default: the runs root, which may itself be the bucket). Collecting from a bucket lists every object
 under the suite's prefix (checkpoint files included) and reads the `endpoint.json` ones.
@@ -18,6 +18,7 @@ import json
 from pathlib import Path
 
 from smelt_jax.rundir import results_dir, runs_root
+from smelt_jax.storage import is_gcs
 from smelt_jax.sweep.graph import stored_endpoint_keys
 from smelt_jax.errors import MissingInput, UsageError
 
@@ -99,7 +100,7 @@ def _bucket_endpoints(root: str, suite: str | None = None) -> list[str]:
     """URLs of the endpoint.json files under `root` (one suite, or all of them)."""
     import fnmatch
 
-    from smelt_jax.data import gcs
+    from smelt_jax import storage as gcs
     base = root.rstrip("/") + "/"
     prefix = base + suite if suite else root.rstrip("/")
     pattern = ENDPOINT_GLOB if suite else "*/" + ENDPOINT_GLOB
@@ -112,7 +113,7 @@ def _bucket_endpoints(root: str, suite: str | None = None) -> list[str]:
 
 
 def _bucket_files(root: str, suite: str) -> list[tuple[str, str]]:
-    from smelt_jax.data import gcs
+    from smelt_jax import storage as gcs
     return [(url, gcs.read_text(url)) for url in _bucket_endpoints(root, suite)]
 
 
@@ -121,11 +122,11 @@ def collect(root: str | Path | None = None, suites: list[str] | None = None,
     """Collects every suite under `root` (or the named ones). A gs:// root's rows go to the local
     store under `store_root` (default: the local runs root)."""
     root_text = str(root) if root is not None else str(runs_root())
-    if root_text.startswith("gs://"):
+    if is_gcs(root_text):
         if not suites:
             base = root_text.rstrip("/") + "/"
             suites = sorted({url[len(base):].split("/", 1)[0] for url in _bucket_endpoints(root_text)})
-        from smelt_jax.rundir import as_path
+        from smelt_jax.storage import as_path
         store = as_path(store_root) if store_root is not None else runs_root()
         return [_append_missing(suite, _bucket_files(root_text, suite), store) for suite in suites]
     if "://" in root_text:

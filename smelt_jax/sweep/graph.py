@@ -7,7 +7,7 @@ continues. A job is DONE only when its artifacts exist, never because a schedule
     stable job   the committed, whole checkpoint at `schedule.stable_steps`
     branch job   `branch<k>/endpoint.json` AND its row in the suite's results store
 
-"Whole" is `rundir.checkpoint_damage`'s cheap check (every file the step's checksum file records is
+"Whole" is `checkpoint_format.checkpoint_damage`'s cheap check (every file the step's checksum file records is
 there with its size). A stable job whose final checkpoint, or the fork checkpoint of a branch not done
 yet, is damaged is DAMAGED: it must run again (its trainer moves the damaged step aside and retrains
 it), and the branches forking from a damaged step stay PENDING until it has.
@@ -29,14 +29,10 @@ from pathlib import Path
 
 from smelt_jax.config import content_hash
 from smelt_jax.descriptors import RunSpec
-from smelt_jax.rundir import (
-    as_path,
-    checkpoint_damage,
-    committed_steps,
-    results_dir,
-    run_dir,
-    runs_root,
-)
+from smelt_jax.checkpoint_format import checkpoint_damage, committed_steps
+from smelt_jax.rundir import results_dir, run_dir, runs_root
+from smelt_jax import storage
+from smelt_jax.storage import as_path
 from smelt_jax.errors import UnknownName
 
 # JobSet names child Jobs `<jobset>-<replicated job>-<index>` and Pods add `-<index>-<5 chars>`, all
@@ -161,8 +157,8 @@ def build_graph(runs: Sequence[RunSpec]) -> JobGraph:
 
 
 def suite_graph(suite: str) -> JobGraph:
-    import experiments  # the descriptors live at the top of the repository
-    return build_graph(experiments.load_suite(suite))
+    from smelt_jax import suites  # the descriptors live at the top of the repository (experiments/)
+    return build_graph(suites.load_suite(suite))
 
 
 # Artifacts -------------------------------------------------------------------------------------
@@ -173,22 +169,11 @@ def endpoint_key(row: dict) -> tuple:
     return tuple(row[k] for k in KEY)
 
 
-def _file_exists(path) -> bool:
-    if str(path).startswith("gs://"):
-        from smelt_jax.data import gcs
-        return gcs.exists(str(path))
-    return path.exists()
-
-
 def stored_endpoint_keys(suite: str, root: Path) -> set[tuple]:
     """The (run_id, branch) of every row in the suite's results store (empty if none yet)."""
     from smelt_jax.results import KEY, TABLE_NAME, read_results
     folder = results_dir(suite, root)
-    if str(folder).startswith("gs://"):
-        from smelt_jax.data import gcs
-        if not gcs.exists(f"{folder}/{TABLE_NAME}"):
-            return set()
-    elif not (folder / TABLE_NAME).exists():
+    if not storage.exists(storage.join(folder, TABLE_NAME)):
         return set()
     table = read_results(folder)
     return {tuple(int(v) if k == "branch" else v for k, v in zip(KEY, values))
@@ -200,6 +185,7 @@ def artifact_statuses(graph: JobGraph, root: Path | None = None,
     """PENDING / READY / DAMAGED / DONE for every job, from the files under the runs root alone.
     Jobs in `known_done` are not checked again (artifacts are never removed during a sweep)."""
     root = as_path(root) if root is not None else runs_root()  # a gs:// root is read directly
+    storage.require_folder(root, "runs root")  # a file would read as "nothing trained yet"
     stored: set[tuple] | None = None  # read once, and only if some endpoint exists
     out: dict[str, JobStatus] = {}
     good_cache: dict[str, set[int]] = {}
@@ -218,7 +204,7 @@ def artifact_statuses(graph: JobGraph, root: Path | None = None,
         if job.is_stable:
             continue
         endpoint = rdir.endpoint(job.branch)
-        if _file_exists(endpoint):
+        if storage.exists(endpoint):
             if stored is None:
                 stored = stored_endpoint_keys(graph.suite, root)
             if (job.run.id, job.branch) in stored:

@@ -39,7 +39,7 @@ from smelt_jax.sweep.graph import (
     suite_graph,
 )
 
-RESTART_EXIT_CODE = 42
+from smelt_jax.exit_codes import PREEMPTED as RESTART_EXIT_CODE
 DEFAULT_COMMAND = (sys.executable, "-m", "smelt_jax")
 REFRESH_SECONDS = 2.0  # how often free slots look for branches that became ready mid-run
 

@@ -1,7 +1,7 @@
 """TPU placement of a sweep job: which slice and layout a run gets, and what that slice looks like to
 GKE and to gcloud.
 
-The slice and layout come from the run's suite placement (experiments/placement.py: the layouts the
+The slice and layout come from the run's suite placement (experiments/placement.py, reached through `smelt_jax.suites`: the layouts the
 compile report chose, or the suite's rule), so every job a sweep renders uses the slice and layout the
 compile report uses. The slice's facts (chips, hosts, GKE labels, runtime) come from
 `smelt_jax.hardware`.
@@ -16,9 +16,9 @@ from smelt_jax.parallel.layout import format_layout
 
 def placement(run: RunSpec) -> Parallelism:
     """The run's TPU type, mesh axes and remat (its suite's placement; a clear error if it has none)."""
-    from experiments.placement import placement_for  # the suites' policy lives with the suites
+    from smelt_jax import suites  # the suites' policy lives with the suites (experiments/placement.py)
 
-    return placement_for(run)
+    return suites.placement_for(run)
 
 
 def tpu_type_for(run: RunSpec) -> str:

@@ -35,7 +35,7 @@ from smelt_jax.sweep.base import (
 from smelt_jax.sweep.graph import Job, JobGraph, JobStatus
 from smelt_jax.sweep.tpu import tpu_slice, tpu_type_for
 
-RESTART_EXIT_CODE = 42
+from smelt_jax.exit_codes import PREEMPTED as RESTART_EXIT_CODE
 POLL_SECONDS = 60
 
 

@@ -31,7 +31,7 @@ from smelt_jax.sweep.schema import validate_jobset
 from smelt_jax.sweep.tpu import tpu_slice, tpu_type_for
 from smelt_jax.errors import UsageError
 
-RESTART_EXIT_CODE = 42
+from smelt_jax.exit_codes import PREEMPTED as RESTART_EXIT_CODE
 CONTAINER = "trainer"
 # Settings that --submit refuses while they are placeholders (the image is base.DEFAULT_IMAGE until
 # `--image` names the one `make image push-image` pushed); deleting a workload needs no image or bucket.

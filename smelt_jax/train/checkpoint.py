@@ -1,22 +1,24 @@
 """Checkpoints for the trainer: orbax CheckpointManager with async saves, kept fork points, and a fallback.
 
-A checkpoint at step s holds two items: `state`, any pytree of jax arrays (parameters, optimizer state,
-step counters), and `metadata`, a small JSON dict (for example the step and the data position). Saves
-are asynchronous: `save` returns once the arrays are copied off the devices, and the files are written
-in the background (`wait` blocks until they are committed).
+A checkpoint at step s holds two items: `state`, a pytree of jax arrays (parameters and optimizer
+state), and `metadata`, a small JSON dict (the step, the data position, the run). The trainer saves and
+restores one `TrainState` whole (`save_state` / `restore_state`); the on-disk format is
+`smelt_jax.checkpoint_format`'s, which also judges a step (committed, whole, damaged). Saves are
+asynchronous: `save` returns once the arrays are copied off the devices, and the files are written in
+the background (`wait` blocks until they are committed).
 
 Retention: the newest `max_to_keep` checkpoints are rotated; steps in `keep_forever` (the decay
-branches' fork steps) are never deleted.
+branches' fork steps) are never deleted. Code that only reads checkpoints (a branch reading its fork
+step, evaluation) opens them with `read_only=True`: orbax then creates, rotates and cleans nothing.
 
 Integrity: orbax commits a checkpoint by renaming its temporary folder, so an interrupted save never
-shows up as a step. A committed checkpoint that was damaged later (a truncated or deleted file) fails to
-restore; `restore` then warns, names the step and the error, and falls back to the next older step.
-To catch damage that would still decode (a truncated chunk tail), every committed step also gets a
-`smelt_checksums.json` with the sha256 and size of each of its files, checked before restoring
-(`rundir.checkpoint_damage` is the cheap check, sizes only, that the sweep uses for readiness).
-With `quarantine=True` (the trainer, which holds the phase's lock) a damaged step is moved aside, never
-deleted: renamed `<step>.damaged` and reported, so the run resumes from the last good step and can save
-that step again.
+shows up as a step. Every committed step also gets a checksum file (sha256 and size of each file),
+checked before restoring. A step that fails its checks or its decode is damaged: `restore` warns,
+names the step and the error, and falls back to the next older step; with `quarantine=True` (the
+trainer, which holds the phase's lock) the damaged step is moved aside (`<step>.damaged`, never
+deleted), so the run resumes from the last good step and can save that step again. A read that fails
+for lack of access (permissions, credentials) or a storage error that outlasts the retries
+(`checkpoint_format.read_retrying`) is not damage: `CheckpointAccessError`, one line, nothing moved.
 
 On Cloud Storage (a gs:// directory) orbax writes a step in place and commits it with
 `<step>/commit_success.txt`; no checksum file is written (Cloud Storage checks each object's CRC32C),
@@ -24,50 +26,39 @@ so damage shows as a failed restore, and moving a step aside copies its objects 
 
 Failed saves: a save runs in the background; `raise_if_save_failed()` (called by the trainer after every
 step) turns a failed one into a `CheckpointSaveError` naming the step, the cause and the newest good
-step. The temporary folder a failed or killed save leaves (`<step>.orbax-checkpoint-tmp*`) is removed
-by the next `Checkpointer(..., clean_temporary=True)` on that folder.
+step (through orbax's public `is_saving_in_progress` and `wait_until_finished`). The temporary folder a failed or killed save leaves
+(`<step>.orbax-checkpoint-tmp*`) is removed by the next `Checkpointer(..., clean_temporary=True)` on
+that folder. After a failed save orbax's background writers keep logging (tracebacks, orphaned asyncio
+futures, callbacks into closed event loops); `quiet_failed_save_noise` drops those messages once the
+failure is reported.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
 import shutil
-import tempfile
+import sys
 import warnings
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
 import jax
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers
 
+from smelt_jax import checkpoint_format as fmt
+from smelt_jax import storage
+from smelt_jax.checkpoint_format import CheckpointAccessError
 from smelt_jax.errors import SmeltError
-from smelt_jax.rundir import (
-    CHECKSUM_FILE,
-    DAMAGED_SUFFIX,
-    as_path,
-    checkpoint_damage,
-    damaged_checkpoints,
-    is_remote,
-    recorded_files,
-    temporary_checkpoints,
-)
 
+if TYPE_CHECKING:
+    from smelt_jax.train.state import TrainState
 
-def _move_objects(source: str, target: str) -> None:
-    """gs://: move every object under `source/` to `target/` (copy, then delete: no rename on Cloud
-    Storage). The commit file goes first, so a move cut short leaves an uncommitted step behind."""
-    from smelt_jax.data import gcs
-    files = gcs.list_files(source)
-    files.sort(key=lambda url: not url.endswith("/commit_success.txt"))
-    for url in files:
-        gcs.write_bytes(target + url[len(source):], gcs.read_bytes(url))
-    for url in files:
-        gcs.delete(url)
+__all__ = ["CheckpointAccessError", "CheckpointCorruptionWarning", "CheckpointError",
+           "CheckpointSaveError", "Checkpointer", "abstract_like", "quiet_failed_save_noise"]
 
 
 class CheckpointError(SmeltError, RuntimeError):
@@ -82,34 +73,58 @@ class CheckpointCorruptionWarning(UserWarning):
     """A checkpoint failed its checksums or its restore and was skipped (and maybe moved aside)."""
 
 
-def _file_digests(step_dir: Path) -> dict[str, dict]:
-    out = {}
-    for path in sorted(p for p in step_dir.rglob("*")
-                       if p.is_file() and not p.name.startswith(CHECKSUM_FILE)):
-        digest = hashlib.sha256()
-        with open(path, "rb") as handle:
-            while block := handle.read(1 << 22):
-                digest.update(block)
-        out[path.relative_to(step_dir).as_posix()] = {"sha256": digest.hexdigest(),
-                                                      "size": path.stat().st_size}
-    return out
-
-
 class _NoOrbaxTracebacks(logging.Filter):
     """Orbax logs every failure of a background save as errors with tracebacks (dozens, one per
     thread); the Checkpointer reports a failed save itself, once (CheckpointSaveError), and a failed
-    restore as a warning, so orbax's error records are dropped and its other records lose tracebacks."""
+    restore as a warning, so orbax's error records are dropped and its other records lose tracebacks.
+    Its notices that a manager is read-only are dropped too (readers open them so on purpose)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if "orbax" not in (record.pathname or ""):
             return True
         if record.levelno >= logging.ERROR:
             return False
+        if str(record.msg).startswith(_READ_ONLY_NOTICES):
+            return False  # a reader opened read-only on purpose (Checkpointer(read_only=True))
         record.exc_info, record.exc_text = None, None
         return True
 
 
+_READ_ONLY_NOTICES = ("CheckpointManagerOptions.read_only=True", "Given directory is read only")
 _FILTER = _NoOrbaxTracebacks()
+
+
+class _NoOrphanFutureErrors(logging.Filter):
+    """asyncio's "Future/Task exception was never retrieved": orbax's background writers after a
+    failed save, which the Checkpointer reports itself (one line)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "exception was never retrieved" not in str(record.msg)
+
+
+_QUIETED = False
+
+
+def quiet_failed_save_noise() -> None:
+    """After a failed save, tensorstore callbacks still post to orbax's closed event loops (Python
+    prints each as "Exception ignored ... Event loop is closed" with a traceback) and asyncio logs,
+    when they are garbage collected, the futures nobody awaits any more ("... exception was never
+    retrieved"), up to the process's exit. The failure is reported once (CheckpointSaveError), so these
+    two kinds of messages are dropped for the rest of the process (nothing else is). Idempotent."""
+    global _QUIETED
+    if _QUIETED:
+        return
+    _QUIETED = True
+    logging.getLogger("asyncio").addFilter(_NoOrphanFutureErrors())
+    previous = sys.unraisablehook
+
+    def hook(unraisable) -> None:
+        err = unraisable.exc_value
+        if isinstance(err, RuntimeError) and str(err) == "Event loop is closed":
+            return
+        previous(unraisable)
+
+    sys.unraisablehook = hook
 
 
 def abstract_like(tree: Any, shardings: Any = None) -> Any:
@@ -133,28 +148,33 @@ class Checkpointer:
 
     def __init__(self, directory: str | os.PathLike, *, max_to_keep: int = 3,
                  keep_forever: Iterable[int] = (), async_save: bool = True,
-                 clean_temporary: bool = False) -> None:
+                 clean_temporary: bool = False, read_only: bool = False) -> None:
         """`clean_temporary`: remove the temporary folders of saves that never committed (only the
-        phase's single writer, holding its lock, may do this)."""
+        phase's single writer, holding its lock, may do this). `read_only`: a reader (a branch's fork
+        step, evaluation): orbax creates, rotates and cleans nothing, and `save` is refused."""
         if max_to_keep < 1:
             raise ValueError(f"max_to_keep must be >= 1, got {max_to_keep}")
         # gs://: orbax gets the URL itself (never made absolute: it would become ./gs:/...) and
         # reaches the bucket through etils.epath (gcsfs); steps are not sealed with checksums there.
-        self.remote = is_remote(directory)
-        self.directory = as_path(directory) if self.remote else Path(directory).absolute()
+        self.remote = storage.is_gcs(directory)
+        self.directory = storage.as_path(directory) if self.remote else Path(directory).absolute()
         self.keep_forever = frozenset(int(s) for s in keep_forever)
+        self.read_only = read_only
         self.removed_temporary: list[str] = []
-        if clean_temporary and jax.process_index() == 0:
-            for temp in temporary_checkpoints(self.directory):
+        if clean_temporary and not read_only and jax.process_index() == 0:
+            for temp in fmt.temporary_checkpoints(self.directory):
                 shutil.rmtree(temp, ignore_errors=True) if temp.is_dir() else temp.unlink()
                 self.removed_temporary.append(temp.name)
         logging.getLogger("absl").addFilter(_FILTER)
-        policy = checkpoint_managers.AnyPreservationPolicy([
-            checkpoint_managers.LatestN(n=max_to_keep),
-            checkpoint_managers.CustomSteps(sorted(self.keep_forever)),
-        ])
-        options = ocp.CheckpointManagerOptions(
-            preservation_policy=policy, enable_async_checkpointing=async_save, create=True)
+        if read_only:
+            options = ocp.CheckpointManagerOptions(read_only=True, create=False)
+        else:
+            policy = checkpoint_managers.AnyPreservationPolicy([
+                checkpoint_managers.LatestN(n=max_to_keep),
+                checkpoint_managers.CustomSteps(sorted(self.keep_forever)),
+            ])
+            options = ocp.CheckpointManagerOptions(
+                preservation_policy=policy, enable_async_checkpointing=async_save, create=True)
         self._manager = ocp.CheckpointManager(self.directory, options=options,
                                               item_names=("state", "metadata"))
         self._unsealed: list[int] = []
@@ -166,6 +186,8 @@ class Checkpointer:
         """Start saving `state` (pytree of arrays) and `metadata` (JSON dict) as `step`; returns early.
 
         Raises CheckpointSaveError if this save, or an earlier one still in flight, failed."""
+        if self.read_only:
+            raise RuntimeError(f"{self.directory} was opened read-only: cannot save step {step}")
         metadata = dict(metadata or {})
         metadata.setdefault("step", int(step))
         json.dumps(metadata)  # fail here, not in the background thread, on non-JSON metadata
@@ -180,7 +202,13 @@ class Checkpointer:
         self._in_flight = int(step)
         self._unsealed.append(int(step))
 
+    def save_state(self, state: TrainState, metadata: dict | None = None) -> None:
+        """Start saving a whole `TrainState` at its step: its arrays as `state`, its step and data
+        position (and `metadata`, e.g. the run) as `metadata`."""
+        self.save(state.step, state.arrays(), {**state.positions(), **(metadata or {})})
+
     def _save_error(self, step: int, err: BaseException) -> CheckpointSaveError:
+        quiet_failed_save_noise()
         if self._failed is None:
             good = [s for s in self._committed_steps() if s != step]
             kept = (f"the newest good checkpoint is step {good[-1]}" if good
@@ -192,8 +220,7 @@ class Checkpointer:
         return self._failed
 
     def _committed_steps(self) -> list[int]:
-        from smelt_jax.rundir import committed_steps
-        return committed_steps(self.directory)
+        return fmt.committed_steps(self.directory)
 
     def raise_if_save_failed(self) -> None:
         """Raise CheckpointSaveError if a background save has failed; never blocks."""
@@ -201,11 +228,13 @@ class Checkpointer:
             raise self._failed
         if self._in_flight is None:
             return
-        holder = getattr(self._manager, "_finalize_thread", None)
-        thread = holder.get() if holder is not None and hasattr(holder, "get") else None
-        error = getattr(thread, "exception", None) if thread is not None else None
-        if error is not None and not thread.is_alive():
-            raise self._save_error(self._in_flight, error)
+        if self._manager.is_saving_in_progress():
+            return  # still writing: nothing to report yet
+        try:  # the save is over (public API): this returns at once, or raises the save's error
+            self._manager.check_for_errors()
+            self._manager.wait_until_finished()
+        except Exception as err:  # noqa: BLE001 — any error of a background save is a failed save
+            raise self._save_error(self._in_flight, err) from err
 
     def wait(self) -> None:
         """Block until every started save is committed (and checksummed)."""
@@ -230,18 +259,10 @@ class Checkpointer:
             return
         if jax.process_index() == 0:  # one writer per (shared) checkpoint folder
             for step in self._unsealed:
-                step_dir = self.directory / str(step)
-                if step_dir.is_dir() and not (step_dir / CHECKSUM_FILE).exists():
-                    try:
-                        digests = json.dumps({"version": 2, "files": _file_digests(step_dir)},
-                                             indent=0, sort_keys=True)
-                        handle, temp = tempfile.mkstemp(prefix=CHECKSUM_FILE, suffix=".tmp",
-                                                        dir=step_dir)
-                        with os.fdopen(handle, "w") as out:
-                            out.write(digests)
-                        os.replace(temp, step_dir / CHECKSUM_FILE)
-                    except OSError as err:
-                        raise self._save_error(step, err) from err
+                try:
+                    fmt.seal(self.directory / str(step))
+                except OSError as err:
+                    raise self._save_error(step, err) from err
         self._unsealed.clear()
 
     def close(self) -> None:
@@ -275,37 +296,30 @@ class Checkpointer:
         return steps[-1] if steps else None
 
     def verify(self, step: int) -> None:
-        """Raise CheckpointError if a file of `step` is missing or differs from its recorded sha256."""
-        step_dir = self.directory / str(step)
-        quick = checkpoint_damage(self.directory, step)
-        if quick:
-            raise CheckpointError(f"step {step}: {quick}")
-        recorded = recorded_files(step_dir)
-        if recorded is None:
-            return  # saved by another writer or not sealed yet: the restore itself is the check
-        actual = _file_digests(step_dir)
-        bad = sorted(name for name, want in recorded.items()
-                     if actual.get(name, {}).get("sha256") != want["sha256"])
-        if bad:
-            raise CheckpointError(f"step {step}: files missing or changed since the save: {bad[:5]}")
+        """Raise CheckpointError if a file of `step` is missing or differs from its recorded sha256
+        (CheckpointAccessError if a file cannot be read for lack of access)."""
+        damage = fmt.read_retrying(lambda: fmt.digest_damage(self.directory, step),
+                                   f"the checkpoint at step {step} in {self.directory}")
+        if damage:
+            raise CheckpointError(f"step {step}: {damage}")
 
     def quarantine(self, step: int, reason: str) -> Path:
         """Move the damaged `step` aside (`<step>.damaged`, never deleted) and report it."""
-        source = self.directory / str(step)
-        target = self.directory / f"{step}{DAMAGED_SUFFIX}"
-        taken = ({p.name for p in damaged_checkpoints(self.directory)} if self.remote else None)
-        n = 1
-        while target.name in taken if self.remote else target.exists():
-            target = self.directory / f"{step}{DAMAGED_SUFFIX}.{n}"
-            n += 1
-        if self.remote:
-            _move_objects(str(source), str(target))
-        else:
-            os.rename(source, target)
+        target = fmt.move_aside(self.directory, step)
         self._manager.reload()
         warnings.warn(f"checkpoint at step {step} in {self.directory} is damaged ({reason}); moved "
                       f"aside to {target.name}", CheckpointCorruptionWarning, stacklevel=3)
         return target
+
+    def _read(self, step: int, abstract: Any) -> dict:
+        """The restored items of `step`, after its checksums (integrity errors raise)."""
+        def read():
+            damage = fmt.digest_damage(self.directory, step)
+            if damage:
+                raise CheckpointError(f"step {step}: {damage}")
+            return self._manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract), metadata=ocp.args.JsonRestore()))
+        return fmt.read_retrying(read, f"the checkpoint at step {step} in {self.directory}")
 
     def restore(self, target: Any, step: int | None = None, *,
                 quarantine: bool = False) -> tuple[int, Any, dict]:
@@ -315,9 +329,11 @@ class Checkpointer:
         with a `sharding` (see `abstract_like`): the state comes back with those shardings, whatever
         the mesh it was saved from. With `step=None`, a damaged checkpoint is skipped with a
         CheckpointCorruptionWarning and the next older one is tried; with `quarantine=True` it is
-        also moved aside (`quarantine`), so that the step can be saved again.
+        also moved aside (`quarantine`), so that the step can be saved again. An access failure
+        (`CheckpointAccessError`) stops at once and moves nothing.
         """
-        self.wait()
+        if not self.read_only:
+            self.wait()
         steps = self.all_steps()
         if step is not None:
             if step not in steps:
@@ -331,11 +347,11 @@ class Checkpointer:
         errors = []
         for candidate in candidates:
             try:
-                self.verify(candidate)
-                restored = self._manager.restore(candidate, args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(abstract), metadata=ocp.args.JsonRestore()))
+                restored = self._read(candidate, abstract)
                 return candidate, restored["state"], dict(restored["metadata"])
-            except Exception as err:  # noqa: BLE001 — any failure to read means "damaged"
+            except CheckpointAccessError:
+                raise
+            except Exception as err:  # noqa: BLE001 — any other failure to read means "damaged"
                 errors.append(f"step {candidate}: {type(err).__name__}: {_short(err)}")
                 if step is not None:
                     break
@@ -347,12 +363,21 @@ class Checkpointer:
                                   CheckpointCorruptionWarning, stacklevel=2)
         raise CheckpointError("no usable checkpoint: " + " | ".join(errors))
 
+    def restore_state(self, target: TrainState, step: int | None = None, *,
+                      quarantine: bool = False) -> TrainState:
+        """A whole `TrainState` restored into `target`'s shapes and shardings (see `restore`): its
+        arrays from the `state` item, its step from the step restored and its data position from the
+        metadata (`data_step`; checkpoints without one restore with data_step = step)."""
+        restored_step, arrays, metadata = self.restore(target.arrays(), step, quarantine=quarantine)
+        return target.with_arrays(arrays, step=restored_step,
+                                  data_step=int(metadata.get("data_step", restored_step)))
+
     def quarantine_damaged(self, steps: Iterable[int]) -> list[int]:
         """The cheap check (sizes, missing files) on `steps`; moves the damaged ones aside."""
         moved = []
         for step in steps:
             if step in self.all_steps():
-                reason = checkpoint_damage(self.directory, step)
+                reason = fmt.checkpoint_damage(self.directory, step)
                 if reason:
                     self.quarantine(step, reason)
                     moved.append(step)

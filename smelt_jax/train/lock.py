@@ -9,13 +9,18 @@ while the trainer compiles or saves). Another trainer of the same phase finds th
 with `LockHeld`, whose one-line message names the holder (pid, host, since when, last heartbeat).
 
 A lock is *stale*, and is taken over, when its holder is gone: at once when the holder ran on this
-host and its pid no longer exists, else once its heartbeat is older than `STALE_SECONDS` (default
-300 s; `$SMELT_LOCK_STALE_SECONDS`). A holder whose lock was taken over (it was suspended past the
+host and its pid no longer exists, or is this very process's pid without being one of the locks this
+process holds (a restarted container runs its trainer as pid 1 again); after
+`UNREADABLE_STALE_SECONDS` (30 s) when the file cannot be read as a lock (empty or garbled); else once
+its heartbeat is older than `STALE_SECONDS` (default 300 s; `$SMELT_LOCK_STALE_SECONDS`). The refusal
+names the rule that applies to the lock it found. A holder whose lock was taken over (it was suspended past the
 stale time) notices at its next heartbeat: `lost` becomes true and the trainer stops at the next step.
 
 The interface (`PhaseLock`: acquire / refresh / release / lost) is what the trainer uses; `LocalLock`
-implements it on a local or NFS-free shared disk with `O_CREAT | O_EXCL` and an atomic rename for the
-takeover; `GcsLease` on a `gs://` run root (an object carrying its heartbeat, every write conditional on
+implements it on a local or NFS-free shared disk: the lock's content is written to a temporary file
+first and hard-linked into place (creation fails if a lock exists; a full disk leaves no lock file,
+never an empty one), with `O_CREAT | O_EXCL` where the file system has no hard links, and an atomic
+rename for the takeover; `GcsLease` on a `gs://` run root (an object carrying its heartbeat, every write conditional on
 its generation: Cloud Storage's `ifGenerationMatch`). `phase_lock` picks the implementation from the
 path.
 """
@@ -23,6 +28,7 @@ path.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import socket
@@ -40,6 +46,8 @@ LOCK_NAME = "trainer.lock"
 HEARTBEAT_SECONDS = 15.0
 STALE_SECONDS = 300.0
 UNREADABLE_STALE_SECONDS = 30.0  # an empty or garbled lock file (its writer died creating it)
+_HELD_TOKENS: set[str] = set()  # the tokens of the locks this process holds now
+_NO_HARD_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK}
 
 
 class LockHeld(SmeltError, RuntimeError):
@@ -107,15 +115,25 @@ class LocalLock:
             info = {}  # being written this instant, or garbage: judged by its heartbeat alone
         return (info if isinstance(info, dict) else {}), mtime
 
+    def _stale_after(self, info: dict) -> float:
+        """Seconds without heartbeat after which a lock holding `info` is stale (the rule stated in
+        refusals): the short grace for a lock that cannot be read, else `stale_after`."""
+        return UNREADABLE_STALE_SECONDS if not info.get("token") else self.stale_after
+
     def _stale(self, info: dict, heartbeat: float) -> bool:
         if info.get("host") == socket.gethostname() and isinstance(info.get("pid"), int):
             if not _pid_alive(info["pid"]):
                 return True
-        if not info.get("token") and time.time() - heartbeat > UNREADABLE_STALE_SECONDS:
-            return True  # its writer died between creating and filling it
-        return time.time() - heartbeat > self.stale_after
+            if info["pid"] == os.getpid() and info.get("token") not in _HELD_TOKENS:
+                return True  # our own pid, but not a lock we hold: a previous life of this pid
+        return time.time() - heartbeat > self._stale_after(info)
 
     def holder_line(self, info: dict, heartbeat: float) -> str:
+        if not info.get("token"):
+            return (f"{self.description}: the lock {self.path} cannot be read as a lock (empty or "
+                    f"garbled: its writer may have died creating it; heartbeat "
+                    f"{max(0.0, time.time() - heartbeat):.0f} s ago); such a lock is taken over "
+                    f"after {UNREADABLE_STALE_SECONDS:.0f} s without heartbeat")
         return (f"{self.description} is being trained by pid {info.get('pid', '?')} on host "
                 f"{info.get('host', '?')} (since {info.get('started', '?')}, heartbeat "
                 f"{max(0.0, time.time() - heartbeat):.0f} s ago; lock {self.path}); wait for it to "
@@ -126,7 +144,7 @@ class LocalLock:
         self.folder.mkdir(parents=True, exist_ok=True)
         for _attempt in range(5):
             try:
-                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                self._create()
             except FileExistsError:
                 found = self._read()
                 if found is None:
@@ -136,15 +154,37 @@ class LocalLock:
                     raise LockHeld(self.holder_line(info, heartbeat)) from None
                 self._take_over(info)
                 continue
-            with os.fdopen(fd, "w") as handle:
-                handle.write(json.dumps(self.info))
-                handle.flush()
-                os.fsync(handle.fileno())
             self._held, self._lost = True, False
+            _HELD_TOKENS.add(self.token)
             return
         found = self._read()
         raise LockHeld(self.holder_line(*found) if found else
                        f"{self.description}: could not take the lock {self.path}; try again")
+
+    def _create(self) -> None:
+        """Create the lock file whole, or raise FileExistsError when one exists. Its content goes to a
+        temporary file first, hard-linked into place (atomic and exclusive): a failed write (a full
+        disk) leaves no lock file. Without hard links: O_EXCL, the file removed if the write fails."""
+        data = json.dumps(self.info).encode()
+        temp = self.path.with_name(f"{LOCK_NAME}.new-{self.token}")
+        try:
+            _write_synced(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, data)
+            os.link(temp, self.path)
+            return
+        except OSError as err:
+            if err.errno not in _NO_HARD_LINKS:
+                raise
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(temp)
+        try:
+            _write_synced(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, data)
+        except FileExistsError:
+            raise
+        except OSError:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)  # ours: created by the O_EXCL open that just succeeded
+            raise
 
     def _take_over(self, stale_info: dict) -> None:
         """Move a stale lock aside; if what was moved is not the stale lock (another process took it
@@ -185,6 +225,7 @@ class LocalLock:
         if not self._held:
             return
         self._held = False
+        _HELD_TOKENS.discard(self.token)
         found = self._read()
         if found is not None and found[0].get("token") == self.token:
             self._delete()
@@ -213,7 +254,7 @@ class GcsLease(LocalLock):
 
     def __init__(self, folder: str, *, description: str = "", stale_after: float | None = None) -> None:
         super().__init__(Path("."), description=description or str(folder), stale_after=stale_after)
-        from smelt_jax.data import gcs
+        from smelt_jax import storage as gcs
         self._gcs = gcs
         self.folder = str(folder).rstrip("/")
         self.path = f"{self.folder}/{LOCK_NAME}"
@@ -249,6 +290,7 @@ class GcsLease(LocalLock):
             if written is not None:
                 self._generation, self.took_over = written, previous
                 self._held, self._lost = True, False
+                _HELD_TOKENS.add(self.token)
                 return
             # Another trainer wrote between our read and our write: read again.
         found = self._read()
@@ -271,13 +313,24 @@ class GcsLease(LocalLock):
         if not self._held:
             return
         self._held = False
+        _HELD_TOKENS.discard(self.token)
         if not self._lost:
             self._gcs.delete_if(self.path, self._generation)
 
 
+def _write_synced(path: Path, flags: int, data: bytes) -> None:
+    """Open `path` with `flags`, write `data` whole and fsync it."""
+    fd = os.open(path, flags, 0o644)
+    with os.fdopen(fd, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
 def phase_lock(folder: str | os.PathLike, *, description: str = "") -> PhaseLock:
     """The lock of one run phase folder: `GcsLease` on gs://, else `LocalLock`."""
-    if str(folder).startswith("gs://"):
+    from smelt_jax import storage
+    if storage.is_gcs(folder):
         return GcsLease(str(folder), description=description)
     return LocalLock(folder, description=description)
 

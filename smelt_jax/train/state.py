@@ -3,7 +3,7 @@ optimizer state and batches, a sharded init, the restore target, and the train s
 shardings and with donation. The trainer, the compile tools and evaluation all build it here.
 
     plan = plan_training(cfg, tx, mesh)
-    params, opt_state = init_state(plan, seed)            # created already sharded, never whole
+    state = TrainState.initial(plan, tx, seed)            # created already sharded, never whole
     step = jit_train_step(plan, tx)
     batch = global_batch(plan, local_rows)                # this process's rows -> one global batch
     with jax.set_mesh(mesh):
@@ -28,6 +28,54 @@ from flax import nnx
 from smelt_jax import sharding
 from smelt_jax.config import ModelConfig
 from smelt_jax.train.step import make_eval_step, make_train_step
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TrainState:
+    """Everything a run needs to continue, restored and saved whole (`Checkpointer.restore_state` /
+    `save_state`): parameters, optimizer state (the pytree's leaves), the step reached and the data
+    position (the step whose batch comes next; the batch is a pure function of it). `step` and
+    `data_step` are static fields (plain ints): `jax.tree.leaves(state)` are the arrays only."""
+
+    params: Any
+    opt_state: Any
+    step: int = dataclasses.field(default=0, metadata={"static": True})
+    data_step: int = dataclasses.field(default=0, metadata={"static": True})
+
+    @classmethod
+    def target(cls, plan: TrainPlan, step: int = 0) -> TrainState:
+        """The abstract state (ShapeDtypeStructs with this mesh's shardings) at `step`: a restore
+        target, so a checkpoint written on another mesh or host count comes back placed for this one."""
+        params, opt_state = plan.abstract_state()
+        return cls(params, opt_state, step, step)
+
+    @classmethod
+    def initial(cls, plan: TrainPlan, tx: optax.GradientTransformation, seed: int,
+                step: int = 0) -> TrainState:
+        """Freshly initialised parameters and optimizer state (already sharded) at `step`."""
+        params, opt_state = init_state(plan, tx, seed)
+        return cls(params, opt_state, step, step)
+
+    @property
+    def is_abstract(self) -> bool:
+        """True while any leaf is a ShapeDtypeStruct (nothing restored or initialised yet)."""
+        return any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(self))
+
+    def arrays(self) -> dict[str, Any]:
+        """The checkpoint's `state` item: {'params', 'opt_state'} (the on-disk layout)."""
+        return {"params": self.params, "opt_state": self.opt_state}
+
+    def positions(self) -> dict[str, int]:
+        """The checkpoint's metadata for this state: {'step', 'data_step'}."""
+        return {"step": int(self.step), "data_step": int(self.data_step)}
+
+    def with_arrays(self, arrays: dict[str, Any], *, step: int, data_step: int) -> TrainState:
+        return TrainState(arrays["params"], arrays["opt_state"], int(step), int(data_step))
+
+    def advanced(self, params: Any, opt_state: Any) -> TrainState:
+        """The state after one train step (step and data position move on together)."""
+        return TrainState(params, opt_state, self.step + 1, self.data_step + 1)
+
 
 BATCH_KEYS = {"tokens": jnp.int32, "targets": jnp.int32, "segment_ids": jnp.int32,
               "positions": jnp.int32, "loss_mask": jnp.float32}

@@ -1,41 +1,49 @@
-"""The training loop for one phase of one run: the stable run, or one decay branch.
+"""The training of one phase of one run: the stable run, or one decay branch.
 
-`train(run, branch)` resumes from the phase's newest good checkpoint (a branch starts from the
-stable run's checkpoint at its fork step), trains to the phase's last step, evaluates, and for a
-branch writes the endpoint row. Everything it needs to resume is (checkpoint, step): the batch is a
-pure function of the step and so is the learning rate, so an interrupted and resumed run ends with
-bit-identical parameters.
+`train(run, branch)` is restore -> repair -> loop -> finish:
+- restore: the phase's newest good checkpoint as one `TrainState` (a branch starts from the stable
+  run's checkpoint at its fork step); damaged steps are moved aside first (`checkpoint_format`);
+- repair (stable phase only): a fork checkpoint that was damaged and moved aside while its branch has
+  no endpoint yet is trained again, from the newest good step below it, saving only that step;
+- loop: `StepLoop` to the phase's last step, with hooks (NaN guard, profiler, metrics record,
+  periodic evaluation, checkpoints and the stop rule: `smelt_jax.train.hooks`);
+- finish: a branch is evaluated and writes its endpoint row.
+Everything it needs to resume is the TrainState: the batch is a pure function of the data position and
+so is the learning rate of the step, so an interrupted and resumed run ends with bit-identical
+parameters.
 
-Exits (as exceptions the CLI maps to exit codes): `Preempted` (SIGTERM/SIGINT or `stop_after`:
-saved, exit 42, restart me), `NonFiniteLoss` (exit 3: nothing saved past the last good checkpoint).
+Exits (as exceptions the CLI maps to exit codes, `smelt_jax.exit_codes`): `Preempted` (SIGTERM/SIGINT at
+any point of `train`, or `stop_after`: saved when a step advanced since the last save, the lock
+released, exit 42, restart me), `NonFiniteLoss` (exit 3: nothing saved past the last good checkpoint).
+The trainer sets no global JAX configuration (the compilation cache is the caller's:
+`smelt_jax.train.compile_cache`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import signal
+import functools
 import sys
-import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Self
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from smelt_jax import budget as budget_lib
-from smelt_jax import hardware, sharding
+from smelt_jax import sharding, storage
 from smelt_jax.descriptors import Parallelism, RunSpec
 from smelt_jax.errors import SmeltError, UsageError
-from smelt_jax.rundir import RunDir, results_dir, run_dir
+from smelt_jax.rundir import RunDir, run_dir
+from smelt_jax.train import hooks
 from smelt_jax.train import lr as lr_lib
+from smelt_jax.train.checkpoint import Checkpointer, CheckpointError
+from smelt_jax.train.endpoint import write_endpoint, write_spec
+from smelt_jax.train.loop import StepLoop, StopSignal
+from smelt_jax.train.state import TrainState
 from smelt_jax.train.step import optimizer
 from smelt_jax.train.wandb_log import wandb_writer
-
-PREEMPTED_EXIT_CODE = 42
-NONFINITE_EXIT_CODE = 3
 
 
 class Preempted(Exception):
@@ -46,10 +54,14 @@ class NonFiniteLoss(SmeltError, RuntimeError):
     """The loss became NaN or infinite; the last good checkpoint is kept."""
 
 
+class ForkCheckpointDamaged(SmeltError, ValueError):
+    """A branch's fork checkpoint is damaged: the stable run must retrain it (one line, exit 2)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainOptions:
     log_every: int = 10
-    eval_every: int = 0  # 0: evaluate at the end of the phase only
+    eval_every: int = 0  # 0: no periodic evaluation (a branch is still evaluated at its end)
     eval_tokens: int = 16_384  # per source
     eval_batch_size: int = 8
     checkpoint_every: int = 100
@@ -79,62 +91,16 @@ class TrainOptions:
         if self.peak_flops is not None and not (isinstance(self.peak_flops, (int, float))
                                                 and 0 < self.peak_flops < float("inf")):
             raise UsageError(f"peak_flops must be a positive finite number, got {self.peak_flops!r}")
-        profile = self.profile
-        if profile is not None:
-            if isinstance(profile, (tuple, list)):
-                ok = (len(profile) == 2 and all(isinstance(v, int) and not isinstance(v, bool)
-                                                for v in profile) and 0 <= profile[0] < profile[1])
-            else:
-                ok = isinstance(profile, int) and not isinstance(profile, bool) and profile >= 1
-            if not ok:
-                raise UsageError("--profile must be STEPS (an integer >= 1) or START:STOP (integers, "
-                                 f"0 <= START < STOP), got {profile!r}")
+        if self.profile is not None and not _valid_profile(self.profile):
+            raise UsageError("--profile must be STEPS (an integer >= 1) or START:STOP (integers, "
+                             f"0 <= START < STOP), got {self.profile!r}")
 
 
-def peak_flops_per_device() -> tuple[float, str]:
-    """(peak FLOP/s of one device, where the number comes from)."""
-    kind = jax.devices()[0].device_kind
-    known = hardware.peak_flops_for_device_kind(kind)
-    if known is not None:
-        return known
-    a = jnp.ones((1024, 1024), jnp.float32)
-    matmul = jax.jit(lambda x: x @ x)
-    matmul(a).block_until_ready()
-    times = []
-    for _ in range(5):
-        start = time.perf_counter()
-        matmul(a).block_until_ready()
-        times.append(time.perf_counter() - start)
-    return 2 * 1024 ** 3 / float(np.median(times)), f"measured 1024^2 f32 matmul on {kind}"
-
-
-def _exists(path) -> bool:
-    """Whether a file exists, local or gs://."""
-    from smelt_jax.data import gcs
-    return gcs.exists(str(path)) if gcs.is_gcs(path) else Path(path).exists()
-
-
-def _write_json_atomically(path: Path, data: Any) -> None:
-    """Local: a temporary file renamed into place; gs://: one object write (atomic on its own)."""
-    from smelt_jax.data import gcs
-    if gcs.is_gcs(path):
-        gcs.write_text(str(path), json.dumps(data, indent=1, sort_keys=True))
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temp = path.with_suffix(path.suffix + ".tmp")
-    temp.write_text(json.dumps(data, indent=1, sort_keys=True))
-    os.replace(temp, path)
-
-
-def enable_compilation_cache() -> None:
-    """Persist compiled programs across processes ($SMELT_XLA_CACHE, default data_cache/xla): the
-    decay branches and resumed runs of a sweep recompile the same train step."""
-    from smelt_jax.data.corpus import default_data_dir
-    folder = os.environ.get("SMELT_XLA_CACHE") or str(default_data_dir() / "xla")
-    if not folder.startswith("gs://"):  # a gs:// cache is written by jax itself (through etils.epath)
-        Path(folder).mkdir(parents=True, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", folder)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+def _valid_profile(profile) -> bool:
+    if isinstance(profile, (tuple, list)):
+        return (len(profile) == 2 and all(isinstance(v, int) and not isinstance(v, bool)
+                                          for v in profile) and 0 <= profile[0] < profile[1])
+    return isinstance(profile, int) and not isinstance(profile, bool) and profile >= 1
 
 
 def _load_corpus():
@@ -142,35 +108,14 @@ def _load_corpus():
     return open_dataset(None, progress=sys.stderr.isatty())
 
 
-class _StopFlag:
-    """SIGTERM / SIGINT set a flag; the loop saves at the next step boundary and exits 42."""
-
-    def __init__(self) -> None:
-        self.signal: int | None = None
-        self._previous = {}
-
-    def __enter__(self) -> Self:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            try:
-                self._previous[sig] = signal.signal(sig, self._handle)
-            except ValueError:  # not the main thread: leave signals alone
-                pass
-        return self
-
-    def _handle(self, signum, _frame) -> None:
-        self.signal = signum
-
-    def __exit__(self, *exc) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-
 def evaluate(eval_step, params, corpus, seq_len: int, options: TrainOptions,
-             place=lambda batch: batch, host: dict | None = None) -> dict[str, float]:
+             place=lambda batch: batch, host: dict | None = None,
+             check: Callable[[], None] | None = None) -> dict[str, float]:
     """Validation loss per source and overall (token-weighted), nats per token.
 
     `host` ({'host_index', 'host_count'}) picks this process's rows of each validation batch and
-    `place` turns them into the step's input (a global array on the trainer's mesh)."""
+    `place` turns them into the step's input (a global array on the trainer's mesh). `check()` runs
+    before each batch (the trainer's stop signal: it raises to stop)."""
     from smelt_jax.data.pipeline import validation_sets
     totals = {}
     for source, batches in validation_sets(corpus, batch_size=options.eval_batch_size,
@@ -178,6 +123,8 @@ def evaluate(eval_step, params, corpus, seq_len: int, options: TrainOptions,
                                            **(host or {})).items():
         loss_sum, count = 0.0, 0.0
         for batch in batches:
+            if check is not None:
+                check()
             s, c = eval_step(params, place(batch))
             loss_sum, count = loss_sum + float(s), count + float(c)
         totals[source] = (loss_sum, count)
@@ -214,57 +161,70 @@ class _Logs:
         self.close()
 
 
-class _Profiler:
-    """A `jax.profiler` trace of the steps [start, stop) into `folder` (`<phase>/profile/`). On gs://
-    the trace is written to a local temporary folder and its files are uploaded when it stops."""
-
-    def __init__(self, folder, start: int, stop: int) -> None:
-        self.folder, self.start, self.stop = str(folder), start, stop
-        self.active, self.local = False, None
-        self.files: list[str] = []
-
-    def before(self, step: int) -> None:
-        if not self.active and self.start <= step < self.stop and not self.files:
-            from smelt_jax.data import gcs
-            if gcs.is_gcs(self.folder):
-                import tempfile
-                self.local = tempfile.mkdtemp(prefix="smelt-profile-")
-            else:
-                os.makedirs(self.folder, exist_ok=True)
-            jax.profiler.start_trace(self.local or self.folder)
-            self.active = True
-
-    def after(self, done: int, outputs) -> None:
-        if self.active and done >= self.stop:
-            jax.block_until_ready(outputs)
-            self.finish()
-
-    def finish(self) -> None:
-        if not self.active:
-            return
-        self.active = False
-        jax.profiler.stop_trace()
-        from smelt_jax.data import gcs
-        if self.local is None:
-            self.files = gcs.list_files(self.folder)
-            return
-        import shutil
-        try:
-            for path in sorted(Path(self.local).rglob("*")):
-                if path.is_file():
-                    target = gcs.join(self.folder, path.relative_to(self.local).as_posix())
-                    gcs.write_bytes(target, path.read_bytes())
-                    self.files.append(target)
-        finally:
-            shutil.rmtree(self.local, ignore_errors=True)
-
-
-class ForkCheckpointDamaged(SmeltError, ValueError):
-    """A branch's fork checkpoint is damaged: the stable run must retrain it (one line, exit 2)."""
-
-
 def _phase_name(branch: int | None) -> str:
     return "stable" if branch is None else f"branch {branch}"
+
+
+class _Phase:
+    """One phase being trained: the run, where it lives, the options, the stop signal, and (built once,
+    on first use) the mesh, the plan, the jitted steps, the data pipeline and the MFU denominator."""
+
+    def __init__(self, run: RunSpec, branch: int | None, root: Path | None, corpus,
+                 options: TrainOptions, parallelism: Parallelism | None, stop: StopSignal) -> None:
+        self.run, self.branch, self.root, self.corpus, self.options = run, branch, root, corpus, options
+        self.parallelism = parallelism if parallelism is not None else run.parallelism
+        self.stop, self.lock = stop, None
+        self.rd: RunDir = run_dir(run.suite, run.id, root)
+        self.first, self.end = lr_lib.phase_steps(run.schedule, branch)
+        self.keep = set(run.schedule.fork_steps) | {self.end} if branch is None else {self.end}
+        self.is_writer = jax.process_index() == 0
+        self.name = f"{run.id} {_phase_name(branch)}"
+
+    def check_stop(self, where: str) -> None:
+        """Preempted when a signal came (nothing to save: no step advanced since the last save)."""
+        if self.stop.raised:
+            raise Preempted(f"{self.name}: stopped by signal {self.stop.signal} {where}; restart to "
+                            "resume")
+
+    @functools.cached_property
+    def mesh(self):
+        return sharding.make_mesh(self.parallelism)
+
+    @functools.cached_property
+    def tx(self):
+        return optimizer(self.run.schedule)
+
+    @functools.cached_property
+    def plan(self):
+        from smelt_jax.train import state as ts
+        return ts.plan_training(self.run.model, self.tx, self.mesh, remat=self.parallelism.remat)
+
+    @functools.cached_property
+    def steps(self) -> dict[str, Any]:
+        """The jitted train and eval steps, the eval rows of this process, the pipeline, FLOPs."""
+        from smelt_jax.data.pipeline import TrainPipeline
+        from smelt_jax.train import state as ts
+        from smelt_jax.train.mfu import peak_flops_per_device
+        schedule, options, plan = self.run.schedule, self.options, self.plan
+        peak, peak_source = options.peak_flops, "given"
+        if peak is None:
+            peak, peak_source = peak_flops_per_device()
+        return {"train": ts.jit_train_step(plan, self.tx, schedule.batch_size, schedule.seq_len),
+                "eval": ts.jit_eval_step(plan, options.eval_batch_size, schedule.seq_len),
+                # Which rows of a global batch this process feeds depends on the mesh.
+                "eval_host": ts.host_split(plan, options.eval_batch_size, schedule.seq_len),
+                "pipeline": TrainPipeline.from_schedule(
+                    self.corpus, schedule, **ts.host_split(plan, schedule.batch_size, schedule.seq_len)),
+                "flops_per_token": budget_lib.train_flops_per_token(self.run.model),
+                "peak": peak * jax.device_count(), "peak_source": peak_source}
+
+    def evaluate(self, params) -> dict[str, float]:
+        from smelt_jax.train import state as ts
+        batch_size = self.options.eval_batch_size
+        return evaluate(self.steps["eval"], params, self.corpus, self.run.schedule.seq_len,
+                        self.options, lambda batch: ts.global_batch(self.plan, batch, batch_size),
+                        self.steps["eval_host"],
+                        check=lambda: self.check_stop("during the final evaluation"))
 
 
 def train(run: RunSpec, branch: int | None = None, *, root: Path | None = None, corpus=None,
@@ -279,23 +239,40 @@ def train(run: RunSpec, branch: int | None = None, *, root: Path | None = None, 
     `corpus` defaults to the embedded corpus; data of a tokenizer the run does not expect
     (`RunSpec.check_data`) raises DataMismatch before anything is written. Process 0 then takes the
     phase's lock (`smelt_jax.train.lock`): a second trainer of the same phase raises `LockHeld` naming
-    the holder, before any other work.
+    the holder, before any other work. SIGTERM / SIGINT from here to the end raise `Preempted`.
     """
     from smelt_jax.train import lock as lock_lib
 
     lr_lib.phase_steps(run.schedule, branch)  # a bad branch fails before anything is written
-    corpus = corpus if corpus is not None else _load_corpus()
-    run.check_data(corpus.tokenizer, f"the data at {getattr(corpus, 'root', '(in memory)')}")
-    rd = run_dir(run.suite, run.id, root)
-    if jax.process_index() != 0:
-        return _train_phase(run, branch, rd, root, corpus, options, parallelism, None)
-    lock = lock_lib.phase_lock(rd.phase(branch), description=f"{run.id} {_phase_name(branch)}")
-    with lock_lib.holding(lock):
-        if getattr(lock, "took_over", None):
-            info = lock.took_over
-            print(f"smelt: took over the stale lock of pid {info.get('pid')} on {info.get('host')} "
-                  f"for {run.id} {_phase_name(branch)}", file=sys.stderr)
-        return _train_phase(run, branch, rd, root, corpus, options, parallelism, lock)
+    with StopSignal() as stop:
+        corpus = corpus if corpus is not None else _load_corpus()
+        run.check_data(corpus.tokenizer, f"the data at {getattr(corpus, 'root', '(in memory)')}")
+        phase = _Phase(run, branch, root, corpus, options, parallelism, stop)
+        if not phase.is_writer:
+            return _run_phase(phase)
+        lock = lock_lib.phase_lock(phase.rd.phase(branch), description=phase.name)
+        with lock_lib.holding(lock):
+            phase.lock = lock
+            if getattr(lock, "took_over", None):
+                info = lock.took_over
+                print(f"smelt: took over the stale lock of pid {info.get('pid')} on {info.get('host')} "
+                      f"for {phase.name}", file=sys.stderr)
+            return _run_phase(phase)
+
+
+def _run_phase(phase: _Phase) -> dict[str, Any]:
+    """restore -> repair (each missing fork checkpoint, oldest first) -> loop -> finish."""
+    phase.check_stop("before restoring")
+    if phase.is_writer:
+        write_spec(phase.run, phase.rd)
+    while True:
+        ckpt, hole, good = _open_checkpoints(phase)
+        if hole is None:
+            break
+        _repair(phase, ckpt, hole, good)
+    summary = _train_to_end(phase, ckpt)
+    phase.check_stop(f"after the phase finished (step {summary['step']}; nothing left to do)")
+    return summary
 
 
 def _stable_holes(rd: RunDir, schedule, good: list[int]) -> list[int]:
@@ -304,254 +281,257 @@ def _stable_holes(rd: RunDir, schedule, good: list[int]) -> list[int]:
     if not good:
         return []
     return [f for k, f in enumerate(schedule.fork_steps)
-            if f < good[-1] and f not in good and not _exists(rd.endpoint(k))]
+            if f < good[-1] and f not in good and not storage.exists(rd.endpoint(k))]
 
 
-def _restore_fork(rd: RunDir, run: RunSpec, branch: int, first: int, state: Any) -> tuple[int, Any]:
-    """(step, state) of the stable checkpoint a branch forks from; one-line errors when it is missing
-    or damaged (the stable trainer, not this one, moves a damaged stable step aside)."""
-    from smelt_jax.rundir import checkpoint_damage
-    from smelt_jax.train.checkpoint import Checkpointer, CheckpointError
-
-    stable = Checkpointer(rd.checkpoints(None), keep_forever=run.schedule.fork_steps)
+def _open_checkpoints(phase: _Phase) -> tuple[Checkpointer, int | None, list[int]]:
+    """(checkpointer, the fork step to repair or None, the good steps). Temporary folders of saves
+    that never committed are removed and damaged steps (the cheap check) moved aside first."""
+    ckpt_dir = phase.rd.checkpoints(phase.branch)
+    probe = Checkpointer(ckpt_dir, max_to_keep=phase.options.max_to_keep, keep_forever=phase.keep,
+                         clean_temporary=True)
     try:
+        for name in probe.removed_temporary:
+            print(f"smelt: removed {ckpt_dir / name}, the temporary folder of a save that never "
+                  "committed", file=sys.stderr)
+        if phase.is_writer:
+            probe.quarantine_damaged(probe.all_steps())
+        good = probe.all_steps()
+    except BaseException:
+        probe.close()
+        raise
+    holes = _stable_holes(phase.rd, phase.run.schedule, good) if phase.branch is None else []
+    if not holes:
+        return probe, None, good
+    # Repair: train from the newest good step below the hole to the hole, saving only there, with no
+    # rotation (saving an older step must not delete a newer one); then train on as usual.
+    probe.close()
+    print(f"smelt: {phase.run.id} stable: the fork checkpoint at step {min(holes)} is missing or was "
+          "damaged; retraining it", file=sys.stderr)
+    return (Checkpointer(ckpt_dir, max_to_keep=10 ** 9, keep_forever=phase.keep), min(holes), good)
+
+
+def _repair(phase: _Phase, ckpt: Checkpointer, hole: int, good: list[int]) -> None:
+    """Train the stable run again from the newest good step below `hole` to `hole`, saving only it."""
+    try:
+        state = TrainState.target(phase.plan, phase.first)
+        below = [s for s in good if s < hole]
+        if below:
+            state = ckpt.restore_state(state, step=below[-1])
+        phase.check_stop("after restoring")
+        if state.is_abstract:
+            state = TrainState.initial(phase.plan, phase.tx, phase.run.schedule.seed, state.step)
+        _loop(phase, ckpt, state, stop_at=hole, only=hole)
+    finally:
+        ckpt.close()
+
+
+def _restore(phase: _Phase, ckpt: Checkpointer) -> TrainState:
+    """The phase's newest good checkpoint (damaged ones moved aside), else a branch's fork step, else
+    the abstract state at the phase's first step."""
+    state, restored = TrainState.target(phase.plan, phase.first), False
+    try:
+        if ckpt.latest_step() is not None:
+            try:
+                state, restored = ckpt.restore_state(state, quarantine=phase.is_writer), True
+            except CheckpointError:
+                if ckpt.latest_step() is not None:
+                    raise
+                # every step was damaged and moved aside: the phase starts again
+        if phase.branch is not None and not restored:
+            state = _restore_fork(phase, state)
+    except BaseException:
+        ckpt.close()
+        raise
+    return state
+
+
+def _restore_fork(phase: _Phase, target: TrainState) -> TrainState:
+    """The stable checkpoint a branch forks from, opened read-only; one-line errors when it is missing
+    or damaged (the stable trainer, not this one, moves a damaged stable step aside)."""
+    from smelt_jax.checkpoint_format import checkpoint_damage
+
+    run, branch, first, folder = phase.run, phase.branch, phase.first, phase.rd.checkpoints(None)
+    with Checkpointer(folder, read_only=True) as stable:
         if first not in stable.all_steps():
             raise UsageError(
                 f"branch {branch} of {run.id} forks at step {first}, but the stable run has no "
                 f"committed checkpoint there (have {stable.all_steps()}); train the stable run first")
         try:
-            damage = checkpoint_damage(rd.checkpoints(None), first)
+            damage = checkpoint_damage(folder, first)
             if damage:
                 raise CheckpointError(damage)
-            step, state, _ = stable.restore(state, step=first)
+            return stable.restore_state(target, step=first)
         except CheckpointError as err:
             raise ForkCheckpointDamaged(
                 f"branch {branch} of {run.id} forks at step {first}, but the stable checkpoint there "
                 f"is damaged ({' '.join(str(err).split())[:200]}); run `smelt train {run.id}` to move "
                 "it aside and retrain it") from None
+
+
+def _train_to_end(phase: _Phase, ckpt: Checkpointer) -> dict[str, Any]:
+    """Restore, train to the phase's end, and finish (a branch's endpoint)."""
+    run, branch, end = phase.run, phase.branch, phase.end
+    state = _restore(phase, ckpt)
+    if state.step >= end and (branch is None or storage.exists(phase.rd.endpoint(branch))):
+        ckpt.close()
+        return {"run_id": run.id, "branch": branch, "step": state.step, "status": "done"}
+    try:
+        phase.check_stop("after restoring")
+    except Preempted:
+        ckpt.close()
+        raise
+    if state.is_abstract:
+        state = TrainState.initial(phase.plan, phase.tx, run.schedule.seed, state.step)
+    state = _loop(phase, ckpt, state, stop_at=end)
+    summary = {"run_id": run.id, "branch": branch, "step": end, "status": "done"}
+    try:
+        if branch is not None:  # endpoints are the decay branches; the stable phase is not evaluated
+            summary.update(_finish_branch(phase, state))
     finally:
-        stable.close()
-    return step, state
+        ckpt.close()
+    return summary
 
 
-def _train_phase(run: RunSpec, branch: int | None, rd: RunDir, root: Path | None, corpus,
-                 options: TrainOptions, parallelism: Parallelism | None, lock) -> dict[str, Any]:
-    from smelt_jax.train import state as ts
+def _finish_branch(phase: _Phase, state: TrainState) -> dict[str, Any]:
+    """Evaluate the branch's final state, log it and write its endpoint (results row, endpoint.json)."""
+    with jax.set_mesh(phase.mesh):
+        losses = phase.evaluate(state.params)
+    out: dict[str, Any] = {"val_loss": losses["overall"], "losses": losses}
+    if phase.is_writer:
+        from smelt_jax.train.metrics_log import MetricsWriter
+        with _Logs(MetricsWriter(phase.rd.metrics(phase.branch)),
+                   _event_writer(phase.rd, phase.branch, phase.options, run=phase.run),
+                   wandb_writer(phase.options.wandb, phase.run, phase.branch,
+                                phase.rd.phase(phase.branch))) as log:
+            log.write({"step": phase.end, "eval": losses})
+        out["endpoint"] = write_endpoint(phase.run, phase.branch, losses, root=phase.root, rd=phase.rd)
+    return out
+
+
+def _loop(phase: _Phase, ckpt: Checkpointer, state: TrainState, *, stop_at: int,
+          only: int | None = None) -> TrainState:
+    """Train from `state` to `stop_at` with the trainer's hooks; returns the final state. `only`: a
+    repair, which saves that step alone."""
     from smelt_jax.train.metrics_log import MetricsWriter, NullWriter
 
-    schedule, cfg = run.schedule, run.model
-    parallelism = parallelism if parallelism is not None else run.parallelism
-    first, end = lr_lib.phase_steps(schedule, branch)
-    is_writer = jax.process_index() == 0
-    if is_writer and not _exists(rd.spec_file):
-        _write_json_atomically(rd.spec_file, {**run.to_dict(), "metadata": _metadata()})
-    from smelt_jax.train.checkpoint import Checkpointer, CheckpointError
-
-    keep = set(schedule.fork_steps) | {end} if branch is None else {end}
-    ckpt_dir = rd.checkpoints(branch)
-    # A damaged step (cheap check: missing files, wrong sizes) is moved aside before anything else.
-    probe = Checkpointer(ckpt_dir, max_to_keep=options.max_to_keep, keep_forever=keep,
-                         clean_temporary=True)
-    for name in probe.removed_temporary:
-        print(f"smelt: removed {ckpt_dir / name}, the temporary folder of a save that never "
-              "committed", file=sys.stderr)
-    if is_writer:
-        probe.quarantine_damaged(probe.all_steps())
-    good = probe.all_steps()
-    holes = _stable_holes(rd, schedule, good) if branch is None else []
-    stop_at = min(holes) if holes else end
-    if holes:
-        # Repair: train from the newest good step below the hole to the hole, saving only there, with
-        # no rotation (saving an older step must not delete a newer one); then train on as usual.
-        probe.close()
-        ckpt = Checkpointer(ckpt_dir, max_to_keep=10 ** 9, keep_forever=keep)
-        print(f"smelt: {run.id} stable: the fork checkpoint at step {stop_at} is missing or was "
-              "damaged; retraining it", file=sys.stderr)
-    else:
-        ckpt = probe
-
-    enable_compilation_cache()
-    from smelt_jax.data.pipeline import TrainPipeline
-
-    mesh = sharding.make_mesh(parallelism)
-    tx = optimizer(schedule)
-    plan = ts.plan_training(cfg, tx, mesh, remat=parallelism.remat)
-    # Restore targets carry the current mesh's shardings: a checkpoint written on another mesh or
-    # host count comes back placed for this one.
-    state = plan.restore_target()
-    step, restored = first, False
-    if holes:
-        below = [s for s in good if s < stop_at]
-        if below:
-            step, state, _ = ckpt.restore(state, step=below[-1])
-    elif ckpt.latest_step() is not None:
-        try:
-            step, state, _ = ckpt.restore(state, quarantine=is_writer)
-            restored = True
-        except CheckpointError:
-            if ckpt.latest_step() is not None:
-                ckpt.close()
-                raise
-            # every step was damaged and moved aside: the phase starts again
-    if branch is not None and not restored:
-        try:
-            step, state = _restore_fork(rd, run, branch, first, state)
-        except Exception:
-            ckpt.close()
-            raise
-    if step >= end and (branch is None or _exists(rd.endpoint(branch))):
-        ckpt.close()
-        return {"run_id": run.id, "branch": branch, "step": step, "status": "done"}
-    if any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(state)):
-        state = dict(zip(("params", "opt_state"), ts.init_state(plan, tx, schedule.seed)))
-
-    train_step = ts.jit_train_step(plan, tx, schedule.batch_size, schedule.seq_len)
-    eval_step = ts.jit_eval_step(plan, options.eval_batch_size, schedule.seq_len)
-    # Which rows of a global batch this process feeds depends on the mesh, not on a fixed host split.
-    eval_host = ts.host_split(plan, options.eval_batch_size, schedule.seq_len)
-
-    def place_eval(batch):
-        return ts.global_batch(plan, batch, options.eval_batch_size)
-
-    def evaluate_here():
-        return evaluate(eval_step, params, corpus, schedule.seq_len, options, place_eval, eval_host)
-
-    pipeline = TrainPipeline.from_schedule(
-        corpus, schedule, **ts.host_split(plan, schedule.batch_size, schedule.seq_len))
-    flops_per_token = budget_lib.train_flops_per_token(cfg)
-    peak, peak_source = options.peak_flops, "given"
-    if peak is None:
-        peak, peak_source = peak_flops_per_device()
-    peak *= jax.device_count()
-    metrics_file = rd.metrics(branch)
-
-    params, opt_state = state["params"], state["opt_state"]
-    start_step, bad = step, _replicated_scalar(mesh, 0.0) > 0
-    last_good_step = step
-    window_start, window_tokens = time.perf_counter(), 0
-
-    def check_finite(at_step: int, metrics: dict | None) -> None:
-        if bool(bad):
-            ckpt.wait()
-            raise NonFiniteLoss(
-                f"{run.id} {_phase_name(branch)}: non-finite loss "
-                f"between steps {last_good_step} and {at_step} (last metrics: {metrics}); the "
-                f"checkpoint at step {ckpt.latest_step()} is kept")
-
-    def save(at_step: int) -> None:
-        ckpt.save(at_step, {"params": params, "opt_state": opt_state},
-                  {"step": at_step, "data_step": at_step, "run_id": run.id, "branch": branch})
-
-    progress = None
-    if options.progress and is_writer:
-        from smelt_jax.progress import progress_bar  # tqdm on a terminal, else a line per log
-        progress = progress_bar(end - first, initial=step - first, unit="step",
-                                desc=f"{run.id} {'stable' if branch is None else f'branch{branch}'}")
-    iterator = pipeline.iterator(step, stop_at - step)
-    logged = None
+    options, progress = phase.options, None
+    if options.progress and phase.is_writer:
+        label = "stable" if phase.branch is None else f"branch{phase.branch}"
+        progress = hooks.progress_bar(phase.end - phase.first, state.step - phase.first,
+                                      f"{phase.run.id} {label}")
     # Only process 0 writes metrics; the others log into the void.
-    log_context = (_Logs(MetricsWriter(metrics_file), _event_writer(rd, branch, options, step, run=run),
-                         wandb_writer(options.wandb, run, branch, rd.phase(branch)))
-                   if is_writer else NullWriter())
-    profiler = None
-    if options.profile is not None:
-        begin, finish = (options.profile if not isinstance(options.profile, int)
-                         else (step + 1, step + 1 + options.profile))
-        profiler = _Profiler(rd.profile(branch), begin, finish)
+    log_context = (_Logs(MetricsWriter(phase.rd.metrics(phase.branch)),
+                         _event_writer(phase.rd, phase.branch, options, state.step, run=phase.run),
+                         wandb_writer(options.wandb, phase.run, phase.branch, phase.rd.phase(phase.branch)))
+                   if phase.is_writer else NullWriter())
+    profiler = _profiler(phase, state.step)
     try:
-        with _StopFlag() as stop, log_context as log, jax.set_mesh(mesh):
-            for step in range(step, stop_at):  # noqa: B020 (the resume point, then the last step)
-                if profiler is not None:
-                    profiler.before(step)
-                if lock is not None and lock.lost:
-                    from smelt_jax.train.lock import LockLost
-                    raise LockLost(f"{run.id} {_phase_name(branch)}: another trainer took this "
-                                   f"phase's lock over (this process looked dead); stopped at "
-                                   f"step {step} without saving")
-                ckpt.raise_if_save_failed()
-                batch = ts.global_batch(plan, next(iterator), schedule.batch_size)
-                lr = _replicated_scalar(mesh, lr_lib.learning_rate(schedule, step, branch))
-                params, opt_state, metrics = train_step(params, opt_state, batch, lr)
-                bad = bad | ~jnp.isfinite(metrics["loss"])
-                done = step + 1
-                if profiler is not None:
-                    profiler.after(done, (params, metrics))
-                window_tokens += schedule.tokens_per_step
-                if progress is not None:
-                    progress.update(1)
-                if done % options.log_every == 0 or done == end:
-                    values = {k: float(v) for k, v in jax.device_get(metrics).items()}
-                    check_finite(done, values)
-                    elapsed = time.perf_counter() - window_start
-                    tokens_per_s = window_tokens / max(elapsed, 1e-9)
-                    # `tokens`: cumulative training tokens (the schedule's, as in budgets and
-                    # endpoints); `step_tokens`: the loss-bearing tokens of this step's batch.
-                    step_tokens = values.pop("tokens", None)
-                    logged = {"step": done, **values, "tokens": done * schedule.tokens_per_step,
-                              "step_tokens": step_tokens,
-                              "cumulative_flops": done * schedule.tokens_per_step * flops_per_token,
-                              "tokens_per_s": tokens_per_s,
-                              "flops_per_s": tokens_per_s * flops_per_token,
-                              "mfu": tokens_per_s * flops_per_token / peak, "peak_flops": peak,
-                              "peak_flops_source": peak_source, "time": time.time()}
-                    log.write(logged)
-                    if progress is not None:
-                        progress.set_postfix(loss=f"{values['loss']:.3f}", tok_s=f"{tokens_per_s:.0f}")
-                    window_start, window_tokens = time.perf_counter(), 0
-                    last_good_step = done
-                if options.eval_every and done % options.eval_every == 0 and done != end:
-                    log.write({"step": done, "eval": evaluate_here()})
-                interrupted = stop.signal is not None or (
-                    options.stop_after is not None and done - start_step >= options.stop_after)
-                if holes:
-                    # Repairing a hole: save only the hole (an older step than the newest one).
-                    if done == stop_at:
-                        check_finite(done, logged)
-                        save(done)
-                    elif interrupted:
-                        raise Preempted(f"{run.id}: stopped at step {done} while retraining the "
-                                        f"fork checkpoint at step {stop_at}; restart to resume")
-                    continue
-                if done in keep or done % options.checkpoint_every == 0 or done == end or interrupted:
-                    check_finite(done, logged)
-                    save(done)
-                if interrupted and done != end:
-                    ckpt.close()
-                    raise Preempted(f"{run.id}: stopped at step {done} after saving; restart to resume")
+        with log_context as log, jax.set_mesh(phase.mesh):
+            loop = _build_loop(phase, ckpt, state.step, stop_at, only, log, progress, profiler)
+            state = loop.run(state, stop_at)
         ckpt.wait()
         if profiler is not None:
             profiler.finish()
     except BaseException:
-        if profiler is not None:
-            try:
-                profiler.finish()
-            except Exception:  # noqa: BLE001 — the error in flight says more
-                pass
+        _close_quietly(profiler.finish if profiler is not None else None, ckpt.close)
         if progress is not None:
             progress.close()
-        try:
-            ckpt.close()
-        except Exception:  # noqa: BLE001 — the error in flight says more
-            pass
         raise
     if progress is not None:
         progress.close()
-    if holes:
-        ckpt.close()
-        return _train_phase(run, branch, rd, root, corpus, options, parallelism, lock)
-    summary = {"run_id": run.id, "branch": branch, "step": end, "status": "done"}
-    # Endpoints are the decay branches; the stable phase is evaluated only when asked (eval_every).
-    if branch is not None:
-        with jax.set_mesh(mesh):
-            losses = evaluate_here()
-        summary.update(val_loss=losses["overall"], losses=losses)
-        if is_writer:
-            with _Logs(MetricsWriter(metrics_file), _event_writer(rd, branch, options, run=run),
-                       wandb_writer(options.wandb, run, branch, rd.phase(branch))) as log:
-                log.write({"step": end, "eval": losses})
-            summary["endpoint"] = write_endpoint(run, branch, losses, root=root, rd=rd)
-    ckpt.close()
-    return summary
+    return state
+
+
+def _close_quietly(*closers) -> None:
+    """Run each closer, dropping its error: the error in flight says more."""
+    for close in closers:
+        if close is not None:
+            try:
+                close()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+def _profiler(phase: _Phase, step: int) -> hooks.Profiler | None:
+    profile = phase.options.profile
+    if profile is None:
+        return None
+    begin, finish = profile if not isinstance(profile, int) else (step + 1, step + 1 + profile)
+    return hooks.Profiler(phase.rd.profile(phase.branch), begin, finish)
+
+
+def _build_loop(phase: _Phase, ckpt: Checkpointer, start: int, stop_at: int, only: int | None,
+                log, progress, profiler) -> StepLoop:
+    """The step function over the phase's pipeline, and the hooks in their order: NaN guard,
+    profiler, throughput window, metrics record, periodic evaluation, checkpoints and the stop rule."""
+    from smelt_jax.train import state as ts
+    run, options, steps, mesh = phase.run, phase.options, phase.steps, phase.mesh
+    schedule = run.schedule
+    iterator = steps["pipeline"].iterator(start, stop_at - start)
+
+    def step_fn(state: TrainState) -> tuple[TrainState, dict]:
+        batch = ts.global_batch(phase.plan, next(iterator), schedule.batch_size)
+        lr = _replicated_scalar(mesh, lr_lib.learning_rate(schedule, state.step, phase.branch))
+        params, opt_state, metrics = steps["train"](state.params, state.opt_state, batch, lr)
+        return state.advanced(params, opt_state), metrics
+
+    def nonfinite(last_good: int, at_step: int, metrics) -> NonFiniteLoss:
+        ckpt.wait()
+        return NonFiniteLoss(f"{phase.name}: non-finite loss between steps {last_good} and {at_step} "
+                             f"(last metrics: {metrics}); the checkpoint at step {ckpt.latest_step()} "
+                             "is kept")
+
+    loop = StepLoop(step_fn, before=[b for b in (profiler.before if profiler else None,
+                                                 _lock_watch(phase), _save_watch(ckpt)) if b])
+    guard = hooks.NanGuard(_replicated_scalar(mesh, 0.0) > 0, start, nonfinite)
+    record = hooks.MetricsRecord(log, guard, tokens_per_step=schedule.tokens_per_step,
+                                 flops_per_token=steps["flops_per_token"], peak=steps["peak"],
+                                 peak_source=steps["peak_source"], progress=progress)
+    loop.add_hook(guard)
+    if profiler is not None:
+        loop.add_hook(profiler)
+    loop.add_hook(record.count)
+    loop.add_hook(record, every=options.log_every, at={phase.end})
+    if options.eval_every:
+        loop.add_hook(hooks.PeriodicEval(log, phase.evaluate, phase.end), every=options.eval_every)
+    loop.add_hook(hooks.Checkpoints(
+        ckpt, guard, record, keep=phase.keep, every=options.checkpoint_every, end=phase.end,
+        should_stop=_stop_rule(phase, start), stop=_preempted(phase, stop_at, only), only=only,
+        metadata={"run_id": run.id, "branch": phase.branch}))
+    return loop
+
+
+def _stop_rule(phase: _Phase, start: int) -> Callable[[int], bool]:
+    stop_after = phase.options.stop_after
+    return lambda done: phase.stop.raised or (stop_after is not None and done - start >= stop_after)
+
+
+def _preempted(phase: _Phase, stop_at: int, only: int | None) -> Callable[[int], Preempted]:
+    if only is not None:
+        return lambda done: Preempted(f"{phase.name}: stopped at step {done} after saving, while "
+                                      f"retraining the fork checkpoint at step {stop_at}; restart to "
+                                      "resume")
+    return lambda done: Preempted(f"{phase.name}: stopped at step {done} after saving; restart to "
+                                  "resume")
+
+
+def _lock_watch(phase: _Phase) -> Callable[[int], None] | None:
+    """Before each step: stop without saving when another trainer took this phase's lock over."""
+    if phase.lock is None:
+        return None
+
+    def watch(step: int) -> None:
+        if phase.lock.lost:
+            from smelt_jax.train.lock import LockLost
+            raise LockLost(f"{phase.name}: another trainer took this phase's lock over (this process "
+                           f"looked dead); stopped at step {step} without saving")
+    return watch
+
+
+def _save_watch(ckpt: Checkpointer) -> Callable[[int], None]:
+    """Before each step: stop at once when a background save has failed."""
+    return lambda _step: ckpt.raise_if_save_failed()
 
 
 def _event_writer(rd: RunDir, branch: int | None, options: TrainOptions,
@@ -564,34 +544,3 @@ def _event_writer(rd: RunDir, branch: int | None, options: TrainOptions,
     return EventWriter(rd.tensorboard(branch),
                        start_step=None if resume_step is None else resume_step + 1,
                        hparams=None if run is None else run_hparams(run, branch))
-
-
-def write_endpoint(run: RunSpec, branch: int, losses: dict[str, float], *, root: Path | None,
-                   rd: RunDir) -> dict:
-    """Append the endpoint's row to the suite's results store, then write endpoint.json."""
-    from smelt_jax.results import EndpointResult, append_result, git_commit
-    b = run.budget()
-    tokens = run.schedule.branch_tokens(branch)
-    result = EndpointResult(
-        run_id=run.id, branch=branch, pair_id=run.pair_id, suite=run.suite, arch=run.arch,
-        scale=run.scale, sparsity_label=run.sparsity_label, sparsity=max(0.0, b.sparsity or 0.0),
-        flops_per_token=b.train_flops_per_token, params=b.params_total, tokens=tokens,
-        cumulative_flops=b.train_flops_per_token * tokens, val_loss=losses["overall"],
-        losses_by_source={k: v for k, v in losses.items() if k != "overall"},
-        git_commit=git_commit())
-    append_result(result, results_dir(run.suite, root))
-    row = result.to_row()
-    _write_json_atomically(rd.endpoint(branch), row)
-    return row
-
-
-def _metadata() -> dict[str, Any]:
-    import flax
-    import optax
-
-    from smelt_jax.results import git_commit
-    return {"git_commit": git_commit(), "jax": jax.__version__, "flax": flax.__version__,
-            "optax": optax.__version__, "devices": jax.device_count(),
-            "device_kind": jax.devices()[0].device_kind, "processes": jax.process_count(),
-            "python": sys.version.split()[0], "created": time.strftime("%Y-%m-%dT%H:%M:%SZ",
-                                                                       time.gmtime())}

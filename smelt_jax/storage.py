@@ -1,4 +1,10 @@
-"""One small file API over local paths and `gs://bucket/key` URLs, all of it through tensorstore.
+"""The one storage module: local paths and `gs://bucket/key` URLs (detection, read, write, exists,
+listing, conditional writes), the gs:// side through tensorstore.
+
+Which locations are supported is decided here: a local path, or `gs://`. Any other URL scheme
+(`s3://`, `http://`, ...) is refused with one line (`UnsupportedLocation`) by `check`, `as_path` and
+`normalize`, before anything is written (a `pathlib.Path` would turn `s3://b/x` into the local folder
+`./s3:/b/x`).
 
 Local paths use the file system directly (atomic writes: a temporary file renamed into place); `gs://`
 URLs use tensorstore's `gcs` kvstore, the same client that writes the zarr arrays, so one set of
@@ -15,6 +21,7 @@ from __future__ import annotations
 import fnmatch
 import functools
 import os
+import re
 import tempfile
 from pathlib import Path
 
@@ -22,10 +29,46 @@ from smelt_jax.errors import MissingInput, UsageError
 
 GCS_PREFIX = "gs://"
 _WILDCARDS = "*?["
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
+class UnsupportedLocation(UsageError):
+    """A URL whose scheme is neither a local path nor gs:// (one line, exit 2)."""
 
 
 def is_gcs(url) -> bool:
+    """True for a gs:// URL (the only remote scheme)."""
     return str(url).startswith(GCS_PREFIX)
+
+
+def check(url) -> str:
+    """`url` as text when it is a local path or a gs:// URL; UnsupportedLocation otherwise."""
+    text = str(url)
+    scheme = _SCHEME.match(text)
+    if scheme and scheme.group(1) != "gs":
+        raise UnsupportedLocation(f"{text!r}: unsupported location scheme {scheme.group(1)}://; use a "
+                                  "local path or gs://BUCKET/PATH")
+    return text
+
+
+def as_path(path: str | os.PathLike) -> Path:
+    """A local path as a `pathlib.Path`; a `gs://BUCKET/...` URL as an `etils.epath.Path`, which keeps
+    the URL whole (a `pathlib.Path` would make it the local folder `gs:/BUCKET/...`). Joining and
+    `str()` need no I/O; reading and writing a gs:// path goes through this module. Other schemes:
+    UnsupportedLocation."""
+    text = check(path)
+    if is_gcs(text):
+        from etils import epath
+        return epath.Path(text)
+    return Path(path)
+
+
+def require_folder(url, what: str = "folder") -> None:
+    """A folder argument checked: an unsupported scheme, or a local path that exists but is a file,
+    is refused with one line (UsageError); gs:// prefixes and folders not made yet pass."""
+    check(url)
+    if not is_gcs(url) and Path(url).exists() and not Path(url).is_dir():
+        raise UsageError(f"{what} {str(url)!r} is a file, not a folder")
 
 
 def split_gcs(url: str) -> tuple[str, str]:
@@ -39,7 +82,7 @@ def split_gcs(url: str) -> tuple[str, str]:
 
 def normalize(url) -> str:
     """A local path made absolute, or a gs:// URL without a trailing slash."""
-    text = str(url)
+    text = check(url)
     if is_gcs(text):
         return text.rstrip("/") if text.count("/") > 2 else text
     return str(Path(text).expanduser().absolute())
@@ -104,6 +147,12 @@ def write_bytes(url, data: bytes) -> None:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def write_json(url, data) -> None:
+    """`data` as indented, key-sorted JSON, written whole (`write_bytes`)."""
+    import json
+    write_text(url, json.dumps(data, indent=1, sort_keys=True))
 
 
 def read_text(url) -> str:

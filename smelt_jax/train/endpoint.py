@@ -1,0 +1,52 @@
+"""What a finished phase leaves besides checkpoints: the run's `run.json` metadata and, for a decay
+branch, its endpoint (the results store's row, then `endpoint.json`)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from smelt_jax import storage
+from smelt_jax.descriptors import RunSpec
+from smelt_jax.rundir import RunDir, results_dir
+
+
+def write_spec(run: RunSpec, rd: RunDir) -> None:
+    """`run.json` (the resolved descriptor and where it ran), once: an existing one is kept."""
+    if not storage.exists(rd.spec_file):
+        storage.write_json(rd.spec_file, {**run.to_dict(), "metadata": run_metadata()})
+
+
+def write_endpoint(run: RunSpec, branch: int, losses: dict[str, float], *, root: Path | None,
+                   rd: RunDir) -> dict:
+    """Append the endpoint's row to the suite's results store, then write endpoint.json."""
+    from smelt_jax.results import EndpointResult, append_result, git_commit
+    b = run.budget()
+    tokens = run.schedule.branch_tokens(branch)
+    result = EndpointResult(
+        run_id=run.id, branch=branch, pair_id=run.pair_id, suite=run.suite, arch=run.arch,
+        scale=run.scale, sparsity_label=run.sparsity_label, sparsity=max(0.0, b.sparsity or 0.0),
+        flops_per_token=b.train_flops_per_token, params=b.params_total, tokens=tokens,
+        cumulative_flops=b.train_flops_per_token * tokens, val_loss=losses["overall"],
+        losses_by_source={k: v for k, v in losses.items() if k != "overall"},
+        git_commit=git_commit())
+    append_result(result, results_dir(run.suite, root))
+    row = result.to_row()
+    storage.write_json(rd.endpoint(branch), row)
+    return row
+
+
+def run_metadata() -> dict[str, Any]:
+    import flax
+    import optax
+
+    from smelt_jax.results import git_commit
+    return {"git_commit": git_commit(), "jax": jax.__version__, "flax": flax.__version__,
+            "optax": optax.__version__, "devices": jax.device_count(),
+            "device_kind": jax.devices()[0].device_kind, "processes": jax.process_count(),
+            "python": sys.version.split()[0], "created": time.strftime("%Y-%m-%dT%H:%M:%SZ",
+                                                                       time.gmtime())}
