@@ -4,8 +4,9 @@
     python -m benchmarks.run tiles
 
 Forward + backward (gradients of x and the three weights) at m = 4,096 routed rows (8 x 256 tokens, top-2),
-float32, for both members of micro-m-s95 and micro-l-s97 and at the peer benchmark's shape (16 experts). Group sizes: a multinomial draw over Dirichlet(4)
-expert shares (seed 0; the max/mean load of each draw is in the table). "before" is the
+float32, for both members of micro-m-s95 and micro-l-s97 and at the peer benchmark's shape (16 experts).
+Group sizes: a multinomial draw over Dirichlet(4) expert shares (seed 0; each draw's max/mean load is in
+the table). "before" is the
 previous design, kept here only to be timed: each expert padded to a 64/128-row tile with the static tile
 count floor((m + E(tile - 1)) / tile), per-tile weights gathered [n_tiles, d, f], batched einsums, plain
 autodiff. "after" is `kernels.tiled.tiled_expert_ffn`. Rounds interleave the two; medians of ROUNDS.
