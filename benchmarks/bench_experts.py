@@ -8,7 +8,7 @@ expert; capacity: worst-case buffers) show it as a lower rate. The last column c
 
 `dropless_table()`: `expert_ffn` forward + backward (gradients of x and the three weights) at
 d_model 256, 16 experts top-2, expert width 256, 8 x 256 tokens, float32: `capacity` with C = T (the
-old CPU default, dropless) against `tiled` at several row tiles, medians of DROPLESS_REPEATS, one
+old CPU default, dropless) against `tiled`, medians of DROPLESS_REPEATS, one
 process, interleaved rounds so that load on the shared machine hits every backend alike.
 
     .venv/bin/python -m benchmarks.bench_experts             # both tables
@@ -84,7 +84,6 @@ def backends() -> list[str]:
 
 # The issue-17 configuration: tokens (8 x 256), d_model, expert width, experts, top-k.
 DROPLESS_SHAPE = (8 * 256, 256, 256, 16, 2)
-DROPLESS_TILES = (32, 64, 128, 256)
 DROPLESS_REPEATS = 7
 
 
@@ -111,9 +110,7 @@ def dropless_steps() -> dict[str, tuple]:
 
     # The MoE layer's bound: no expert gets more than T rows (dropless).
     steps = {"capacity (C = T)": step(lambda *a: expert_ffn(*a, impl="capacity", capacity=tokens))}
-    for tile in DROPLESS_TILES:
-        steps[f"tiled, tile {tile}"] = step(
-            lambda *a, tile=tile: tiled_expert_ffn(*a, tile=tile, capacity=tokens))
+    steps["tiled"] = step(tiled_expert_ffn)
     return {name: (fn, (x, w_gate, w_up, w_down)) for name, fn in steps.items()}
 
 

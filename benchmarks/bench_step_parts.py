@@ -28,13 +28,15 @@ def run() -> str:
     from flax import nnx
 
     from benchmarks.bench_peer import BATCH, _synthetic_batch, issue_config
+    from benchmarks.cpu_info import cpu_line
     from smelt_jax.config import Schedule
     from smelt_jax.kernels.tiled import tiled_expert_ffn
     from smelt_jax.model.attention import Attention
     from smelt_jax.model.moe import MoE
     from smelt_jax.model.rope import rope_angles
     from smelt_jax.train.state import init_params
-    from smelt_jax.train.step import cross_entropy, loss_fn, make_train_step, optimizer
+    from smelt_jax.model.loss import cross_entropy, unembed_cross_entropy
+    from smelt_jax.train.step import loss_fn, make_train_step, optimizer
 
     cfg = issue_config(expert_impl="auto")
     rows = []
@@ -84,9 +86,17 @@ def run() -> str:
                  h.reshape(-1, d), u, preferred_element_type=jnp.float32).reshape(b, s, -1)}
     for name, logits in forms.items():
         ce = lambda h, u, logits=logits: cross_entropy(logits(h, u), targets, mask)[0]  # noqa: E731
-        rows.append((f"unembedding + cross-entropy forward + backward, {name}",
+        rows.append((f"unembedding + cross-entropy forward + backward, unfused, {name}",
                      _median_ms(jax.jit(jax.grad(ce, argnums=(0, 1))), h, un)))
-    lines = ["| part (issue-17 shapes, alone) | ms (median of 9) |", "|---|---:|"]
+    for form in ("einsum", "matmul"):
+        for chunk in (None, 64):
+            fused = lambda h, u, f=form, c=chunk: unembed_cross_entropy(  # noqa: E731
+                h, u, targets, mask, chunk=c, form=f)[0]
+            label = "one chunk (the default here)" if chunk is None else f"chunks of {chunk} positions"
+            rows.append((f"unembedding + cross-entropy forward + backward, fused (model/loss.py), {form}, "
+                         f"{label}", _median_ms(jax.jit(jax.grad(fused, argnums=(0, 1))), h, un)))
+    lines = [cpu_line() + f"; jax {jax.__version__}.", "",
+             "| part (issue-17 shapes, alone) | ms (median of 9) |", "|---|---:|"]
     lines += [f"| {name} | {ms:.1f} |" for name, ms in rows]
     return "\n".join(lines) + "\n"
 

@@ -9,10 +9,10 @@ import pytest
 
 from smelt_jax.kernels.backend import EXPERT_BACKENDS, EXPERT_IMPLS, choose_expert_backend
 from smelt_jax.kernels.experts import expert_ffn
-from smelt_jax.kernels.tiled import tile_count, tiled_expert_ffn
+from smelt_jax.kernels.tiled import computed_rows, padded_rows, tiled_expert_ffn
 
 N_EXPERTS, D_MODEL, FFN = 5, 24, 40
-ROWS = 37  # not a multiple of any tile (megablox pads to 8 / 128, tiled to 40 / its tile)
+ROWS = 37  # not a multiple of any tile (megablox pads to 8 / 128, tiled's chunks run to 40)
 BACKENDS = [b for b in EXPERT_BACKENDS if b != "dense"]  # every backend, against the reference
 
 GROUPS = {
@@ -101,39 +101,68 @@ def test_capacity_backend_with_tight_bound_matches_dense():
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("tile,capacity", [(8, None), (16, 11), (32, None), (8, 37)])
-def test_tiled_backend_at_other_tiles_and_bounds_matches_dense(tile, capacity):
-    """Tiles smaller than, near and above the groups, with and without the caller's bound; the
-    static tile count really bounds the tiles used (odd sizes: every group needs a partial tile)."""
-    arrays, cotangent = _inputs(jnp.float32, seed=3)
-    for case, sizes in GROUPS.items():
-        if capacity is not None and max(sizes) > capacity:
-            continue  # the bound is a promise of the caller's
-        group_sizes = jnp.array(sizes, jnp.int32)
-        assert sum(-(-g // tile) for g in sizes) <= tile_count(ROWS, N_EXPERTS, tile, capacity), case
-
-        def loss(impl, *a, group_sizes=group_sizes):
-            if impl == "dense":
-                out = expert_ffn(*a, group_sizes, impl="dense")
-            else:
-                out = tiled_expert_ffn(*a, group_sizes, tile=tile, capacity=capacity)
-            return jnp.sum(out * cotangent)
-
-        want = jax.grad(functools.partial(loss, "dense"), argnums=(0, 1, 2, 3))(*arrays)
-        got = jax.grad(functools.partial(loss, "tiled"), argnums=(0, 1, 2, 3))(*arrays)
-        for name, g, w in zip(("x", "w_gate", "w_up", "w_down"), got, want):
-            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5,
-                                       err_msg=f"{case}: d{name}")
-        out = tiled_expert_ffn(*arrays, group_sizes, tile=tile, capacity=capacity)
-        np.testing.assert_allclose(np.asarray(out), np.asarray(expert_ffn(*arrays, group_sizes,
-                                                                          impl="dense")),
-                                   rtol=1e-5, atol=1e-5, err_msg=case)
+# Odd group sizes around every chunk size (every group ends in a partial chunk of 8), a group bigger
+# than the largest chunk, empty groups, one hot expert, padding rows, and m below the largest chunk.
+TILED_CASES = {
+    "around_every_chunk": ([1, 7, 9, 15, 17, 63, 65, 255, 257, 0], 700),
+    "one_hot_expert_past_the_largest_chunk": ([0, 0, 301, 0], 305),
+    "m_below_a_chunk": ([2, 0, 3], 6),
+    "all_padding": ([0, 0, 0], 5),
+}
 
 
-def test_tile_count_bound_is_tight_for_the_worst_split():
-    # 5 experts, tile 8, 37 rows: sizes 1, 1, 1, 1, 33 need 1 + 1 + 1 + 1 + 5 = 9 tiles
-    assert tile_count(37, 5, 8) == 9 and sum(-(-g // 8) for g in (1, 1, 1, 1, 33)) == 9
-    assert tile_count(37, 5, 8, capacity=4) == 5  # every group fits one tile
+@pytest.mark.parametrize("case", list(TILED_CASES))
+def test_tiled_backend_chunk_edges_match_float64_and_dense(case):
+    """Forward against the float64 row-by-row definition and the dense backend, gradients against dense."""
+    sizes, m = TILED_CASES[case]
+    keys = jax.random.split(jax.random.key(7), 5)
+    n, d, f = len(sizes), 12, 20
+    x = jax.random.normal(keys[0], (m, d))
+    w = [jax.random.normal(keys[1], (n, d, f)) / np.sqrt(d), jax.random.normal(keys[2], (n, d, f)) / np.sqrt(d),
+         jax.random.normal(keys[3], (n, f, d)) / np.sqrt(f)]
+    cotangent = jax.random.normal(keys[4], (m, d))
+    group_sizes = jnp.array(sizes, jnp.int32)
+    out = jax.jit(tiled_expert_ffn)(x, *w, group_sizes)
+    np.testing.assert_allclose(np.asarray(out), _naive(x, *w, sizes), rtol=1e-5, atol=1e-5)
+    assert np.all(np.asarray(out)[sum(sizes):] == 0)
+
+    def loss(impl, *a):
+        out = expert_ffn(*a, group_sizes, impl=impl)
+        return jnp.sum(out * cotangent)
+
+    want = jax.jit(jax.grad(functools.partial(loss, "dense"), argnums=(0, 1, 2, 3)))(x, *w)
+    got = jax.jit(jax.grad(functools.partial(loss, "tiled"), argnums=(0, 1, 2, 3)))(x, *w)
+    for name, g, wt in zip(("x", "w_gate", "w_up", "w_down"), got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(wt), rtol=1e-5, atol=1e-5, err_msg=f"d{name}")
+
+
+def _suite_shapes():
+    from experiments import load_suite
+
+    shapes = set()
+    for run in load_suite("micro"):
+        m = run.schedule.batch_size * run.schedule.seq_len * run.model.top_k
+        shapes.add((m, run.model.n_experts))
+    return sorted(shapes)
+
+
+def test_tiled_computes_at_most_1_25x_the_routed_rows_at_micro_and_nano_shapes():
+    """The bound holds at every micro run (m = 8 x 256 x top-2) and over the nano range (m = 16 x 256 x 2,
+    2-120 experts; the suite has 2-106), and really bounds the rows computed for adversarial and random
+    splits."""
+    shapes = _suite_shapes() + [(8192, e) for e in range(2, 121)]  # nano: 2 (control) to 106 experts
+    assert len(shapes) > 30
+    for m, n_experts in shapes:
+        assert padded_rows(m, n_experts) <= 1.25 * m, (m, n_experts)
+    rng = np.random.default_rng(0)
+    for m, n_experts in ((4096, 136), (8192, 120), (37, 5), (6, 3)):
+        worst = [1] * (n_experts - 1) + [m - n_experts + 1]  # every group one row past a multiple of 8
+        splits = [worst] + [rng.multinomial(m, rng.dirichlet(np.ones(n_experts))) for _ in range(20)]
+        for sizes in splits:
+            assert sum(sizes) == m and computed_rows(sizes) <= padded_rows(m, n_experts)
+        if (m - n_experts) % 8 == 0:  # then every group of `worst` is one row past a multiple of 8
+            assert computed_rows(worst) == padded_rows(m, n_experts)  # the bound is tight
+    assert computed_rows([0, 0, 301, 0]) == 304 and computed_rows([8, 16, 0]) == 24
 
 
 class _Mesh:

@@ -1,5 +1,6 @@
 """The one place that decides which backends run: `choose_expert_backend` (the expert FFN),
-`choose_expert_exchange` (how expert parallelism moves tokens) and `choose_attention_backend`.
+`choose_expert_exchange` (how expert parallelism moves tokens), `choose_attention_backend` and
+`choose_unembedding_form` (the loss's matmul form).
 
 Every caller asks this function: `ModelConfig` validates `expert_impl` against `EXPERT_IMPLS`, the MoE
 layer and `expert_ffn` resolve through it, and the ahead-of-time compile report asks it for a TPU
@@ -19,6 +20,11 @@ Rules:
 - Attention `auto` is `splash` (Pallas splash attention, causal block skipping: `kernels/splash.py`) on
   TPU for a full forward whose row length is a multiple of its blocks, and `reference` (the masked dense
   `model.attention.dot_product_attention`, the test oracle) everywhere else.
+- The unembedding + cross-entropy (`model/loss.py`) multiplies `einsum` over [batch, seq, ...] on TPU
+  and GPU, and `matmul` on 2-D [batch * seq, ...] operands on CPU: there the einsum's weight gradient
+  makes a transposed copy (145 vs 76 ms at the issue-17 shapes), while on TPU the 2-D form raised the
+  temporaries of smelt16 (20.6 -> 24.2 GiB on v5p-128). The platform is the traced mesh's when it names
+  one (an ahead-of-time TPU compile traces on the CPU under a TPU mesh).
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ EXPERT_EXCHANGES = ("auto", "padded", "ragged")  # valid `ModelConfig.expert_exc
 AUTO_EXCHANGE = {"tpu": "ragged", "gpu": "ragged", "cpu": "padded"}
 ATTENTION_IMPLS = ("auto", "reference", "splash")  # valid `ModelConfig.attention_impl` values
 SPLASH_SEQ_MULTIPLE = 128  # splash needs rows in whole blocks of a multiple of 128 keys (kernels/splash.py)
+UNEMBEDDING_FORMS = ("einsum", "matmul")
+AUTO_UNEMBEDDING_FORM = {"tpu": "einsum", "gpu": "einsum", "cpu": "matmul"}
 EXPERT_AXIS = "expert"  # the mesh axis experts are sharded over (smelt_jax.sharding.MESH_AXES)
 
 
@@ -82,6 +90,19 @@ def choose_attention_backend(requested: str, platform: str | None = None, *, seq
         fits_blocks = seq_len is not None and seq_len % SPLASH_SEQ_MULTIPLE == 0
         return "splash" if _platform(platform) == "tpu" and fits_blocks else "reference"
     return requested
+
+
+def choose_unembedding_form(platform: str | None = None, mesh=None) -> str:
+    """'einsum' or 'matmul': the form of the unembedding's matmuls (model/loss.py) on `platform`.
+
+    platform None: the platform of `mesh`'s devices when the mesh names one (an AbstractMesh from
+    `jax.set_mesh` over TPU devices says 'tpu' even while this machine's backend is the CPU), else JAX's
+    default backend.
+    """
+    if platform is None and mesh is not None and not getattr(mesh, "empty", False):
+        device = getattr(mesh, "abstract_device", None)
+        platform = getattr(device, "platform", None)
+    return AUTO_UNEMBEDDING_FORM.get(_platform(platform), AUTO_UNEMBEDDING_FORM["cpu"])
 
 
 def choose_expert_backend(requested: str, platform: str | None = None, mesh=None) -> str:

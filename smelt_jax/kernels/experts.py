@@ -14,8 +14,8 @@ Backends (`impl`; which one `auto` means is decided by `smelt_jax.kernels.backen
 - `megablox`: JAX's Pallas TPU grouped matmul (`interpret=True` off TPU); m is padded to the row tile.
 - `capacity`: scatter rows into [E, C, d] buffers, batched einsum, gather back. C = `capacity`
   (default m, the worst case, so nothing is dropped).
-- `tiled`: each expert's rows padded to a row tile, batched einsum over tiles with per-tile expert
-  weights (`smelt_jax.kernels.tiled`): only the routed rows (plus < one tile per expert). CPU default.
+- `tiled`: a loop over the experts, each walking its own rows in chunks of 256 / 64 / 16 / 8 rows
+  (`smelt_jax.kernels.tiled`): only the routed rows (each expert's rounded up to 8). CPU default.
 - `pallas`: the project's own Mosaic kernels (`smelt_jax.kernels.pallas_ffn.pallas_expert_ffn`).
 """
 
@@ -130,8 +130,7 @@ def expert_ffn(x_sorted: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: 
       impl: a backend name or 'auto' (`choose_expert_backend` with no mesh: the caller, e.g. the MoE
         layer, has already resolved it for its mesh).
       capacity: static bound on every group size that the caller guarantees; the `capacity`
-        backend sizes its [E, C, d] buffers with it (None: m, always safe) and `tiled` tightens its
-        tile count with it. Other backends ignore it.
+        backend sizes its [E, C, d] buffers with it (None: m, always safe). Other backends ignore it.
     Returns:
       [m, d_model] in x_sorted's dtype; padding rows are 0.
     """
@@ -151,5 +150,5 @@ def expert_ffn(x_sorted: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: 
     if backend == "capacity":
         return _capacity(x_sorted, *weights, group_sizes, capacity=bound or x_sorted.shape[0])
     if backend == "tiled":
-        return tiled_expert_ffn(x_sorted, *weights, group_sizes, capacity=bound)
+        return tiled_expert_ffn(x_sorted, *weights, group_sizes)
     return _pallas(x_sorted, *weights, group_sizes)

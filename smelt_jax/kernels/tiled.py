@@ -1,105 +1,167 @@
-"""The `tiled` expert backend: a dropless grouped matmul in plain XLA that does only the routed work.
+"""The `tiled` expert backend (the CPU default): a dropless grouped matmul in plain XLA whose work follows
+the routed rows, at any expert count.
 
     tiled_expert_ffn(x_sorted [m, d], w_gate [E, d, f], w_up [E, d, f], w_down [E, f, d],
-                     group_sizes [E], *, tile, capacity) -> [m, d]
+                     group_sizes [E]) -> [m, d]
 
-Each expert's rows (already contiguous: rows are sorted by expert) are padded up to a multiple of the
-row tile, so every tile of `tile` rows belongs to one expert:
+Rows are sorted by expert, so expert e owns rows [start_e, start_e + g_e). A loop over the experts reads
+each expert's weights once (no per-tile weight copies) and walks its rows in chunks taken from CHUNKS,
+largest first: chunks of 256 rows while at least 256 are left, then 64, then 16, then chunks of 8 while
+any are left. Each chunk is a dynamic slice of rows and three 2-D matmuls with that expert's weights; the
+trip counts are dynamic (`lax.while_loop`), so an empty expert costs nothing and each expert computes its
+g_e rows rounded up to 8: at most `padded_rows(m, E)` = m + 7 * min(E, m) rows in all (<= 1.25 m at every
+micro and nano shape: tests/test_experts.py). A last chunk that runs past its group writes rows of the
+next group, which that group's own chunks overwrite later (groups run in order); rows past sum(g) are
+zeroed at the end.
 
-1. layout: padded group e starts at row `tile * (tiles before e)`; slot p of the padded buffer holds
-   sorted row `start_e + (p - padded_start_e)` when that is inside group e, else zeros;
-2. x_tiles [n_tiles, tile, d] = the rows gathered into that layout; tile_expert [n_tiles] = its expert;
-3. per-tile weights [n_tiles, d, f] gathered from [E, d, f]; batched einsums over tiles, SwiGLU;
-4. the output rows gathered back from the padded layout (padding rows give 0).
+The backward is a `custom_vjp` with the same loop (while loops have no reverse-mode autodiff): per chunk
+the gate and up projections are recomputed, the chunk's output cotangent is masked to its group, and the
+expert's three weight gradients are accumulated in float32 over its chunks.
 
-n_tiles is static: sum_e ceil(g_e / tile) <= floor((m + E * (tile - 1)) / tile) since sum_e g_e <= m,
-and, with a caller bound C >= every g_e, also <= E * ceil(C / tile). FLOPs are those of the routed rows
-plus at most tile - 1 padding rows per expert (capacity: E * C rows; dense: E * m rows).
+Precision as every backend (kernels/experts.py): float32 accumulation, the SwiGLU product in float32 cast
+to x's dtype before the down projection; in the backward the hidden cotangent is rounded to x's dtype
+where autodiff of the dense reference rounds it, and the gate/up cotangents are cast to x's dtype for
+their matmuls.
 
-Plain autodiff: the row gathers transpose to scatter-adds and the weight gather to a per-expert sum.
-A custom_vjp that made every transpose a gather (the row maps are injective) and summed weight
-gradients with a sorted `segment_sum` measured the same (51.9 vs 51.4 ms, fwd+bwd at the issue-17
-shape), so it is not kept.
+Measured against the previous design (each expert padded to a 64/128-row tile, a static tile count
+floor((m + E(tile - 1)) / tile), per-tile weights gathered [n_tiles, d, f]: 1.73-3.08x the routed rows at
+the micro shapes) in benchmarks/bench_tiles.py and docs/kernels.md.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from smelt_jax.kernels.rows import swiglu
 
-DEFAULT_ROW_TILE = 128  # measured on CPU at the issue-17 configuration (docs/kernels.md)
-SMALL_ROW_TILE = 64  # many experts with few rows each: less padding (up to E * (tile - 1) rows)
+CHUNKS = (256, 64, 16, 8)  # rows per matmul, largest first; the last is the padding granularity
 
 
-def default_tile(m: int, n_experts: int) -> int:
-    """The row tile for m rows over n_experts: 128 when an expert averages at least 128 rows, else 64.
+def padded_rows(m: int, n_experts: int) -> int:
+    """Upper bound on the rows computed for m routed rows over n_experts: each non-empty expert's rows
+    rounded up to CHUNKS[-1], so at most CHUNKS[-1] - 1 extra rows per expert (and at most m non-empty)."""
+    return m + (CHUNKS[-1] - 1) * min(n_experts, m)
 
-    Measured on CPU, forward + backward, m = 4096 (docs/kernels.md): 64 is fastest or within 10% of the
-    fastest at every micro-suite shape (16-136 experts), 128 at 16 experts of width 256-320.
+
+def computed_rows(group_sizes) -> int:
+    """The rows the loop computes for these group sizes (host-side, for tests and benchmarks)."""
+    sizes = np.asarray(group_sizes, np.int64)
+    return int((-(-sizes // CHUNKS[-1]) * CHUNKS[-1]).sum())
+
+
+def _over_chunks(start, size, body, carry):
+    """carry = body(row, n, carry) for chunks [row, row + n) covering [start, start + size), n from CHUNKS
+    (largest first; the last chunk of 8 may run past start + size)."""
+    end = start + size
+    row = start
+    for i, n in enumerate(CHUNKS):
+        last = i == len(CHUNKS) - 1
+
+        def more(state, n=n, last=last):
+            left = end - state[0]
+            return left > 0 if last else left >= n
+
+        def step(state, n=n):
+            return state[0] + n, body(state[0], n, state[1])
+
+        row, carry = jax.lax.while_loop(more, step, (row, carry))
+    return carry
+
+
+def _starts(group_sizes):
+    return jnp.cumsum(group_sizes) - group_sizes
+
+
+def _valid_rows(m, group_sizes):
+    return (jnp.arange(m) < jnp.sum(group_sizes))[:, None]
+
+
+def _forward(x, w_gate, w_up, w_down, group_sizes):
+    m = x.shape[0]
+    padded = jnp.pad(x, ((0, CHUNKS[0]), (0, 0)))  # a chunk never starts past m, so it always fits
+    starts = _starts(group_sizes)
+
+    def expert(e, out):
+        wg, wu, wd = w_gate[e], w_up[e], w_down[e]
+
+        def chunk(row, n, out):
+            xc = jax.lax.dynamic_slice_in_dim(padded, row, n, 0)
+            hidden = swiglu(jnp.dot(xc, wg, preferred_element_type=jnp.float32),
+                            jnp.dot(xc, wu, preferred_element_type=jnp.float32), x.dtype)
+            y = jnp.dot(hidden, wd, preferred_element_type=jnp.float32).astype(x.dtype)
+            return jax.lax.dynamic_update_slice_in_dim(out, y, row, 0)
+
+        return _over_chunks(starts[e], group_sizes[e], chunk, out)
+
+    out = jax.lax.fori_loop(0, w_gate.shape[0], expert, jnp.zeros_like(padded))
+    return jnp.where(_valid_rows(m, group_sizes), out[:m], jnp.zeros((), x.dtype))
+
+
+def _backward(x, w_gate, w_up, w_down, group_sizes, dy):
+    m = x.shape[0]
+    dy = jnp.where(_valid_rows(m, group_sizes), dy, jnp.zeros((), dy.dtype)).astype(x.dtype)
+    pad = ((0, CHUNKS[0]), (0, 0))
+    padded, dy_padded = jnp.pad(x, pad), jnp.pad(dy, pad)
+    starts = _starts(group_sizes)
+
+    def expert(e, grads):
+        dx, dwg_all, dwu_all, dwd_all = grads
+        wg, wu, wd = w_gate[e], w_up[e], w_down[e]
+        end = starts[e] + group_sizes[e]
+
+        def chunk(row, n, acc):
+            dx, dwg, dwu, dwd = acc
+            xc = jax.lax.dynamic_slice_in_dim(padded, row, n, 0)
+            dyc = jax.lax.dynamic_slice_in_dim(dy_padded, row, n, 0)
+            dyc = jnp.where((row + jnp.arange(n) < end)[:, None], dyc, jnp.zeros((), dyc.dtype))
+            gate = jnp.dot(xc, wg, preferred_element_type=jnp.float32)
+            up = jnp.dot(xc, wu, preferred_element_type=jnp.float32)
+            sig = jax.nn.sigmoid(gate)
+            silu = gate * sig
+            hidden = (silu * up).astype(x.dtype)
+            dwd = dwd + jnp.dot(hidden.T, dyc, preferred_element_type=jnp.float32)
+            dh = jnp.dot(dyc, wd.T, preferred_element_type=jnp.float32).astype(x.dtype).astype(jnp.float32)
+            dup = (dh * silu).astype(x.dtype)
+            dgate = (dh * up * sig * (1.0 + gate * (1.0 - sig))).astype(x.dtype)
+            dwg = dwg + jnp.dot(xc.T, dgate, preferred_element_type=jnp.float32)
+            dwu = dwu + jnp.dot(xc.T, dup, preferred_element_type=jnp.float32)
+            dxc = (jnp.dot(dgate, wg.T, preferred_element_type=jnp.float32)
+                   + jnp.dot(dup, wu.T, preferred_element_type=jnp.float32)).astype(x.dtype)
+            return jax.lax.dynamic_update_slice_in_dim(dx, dxc, row, 0), dwg, dwu, dwd
+
+        zeros = [jnp.zeros(w.shape[1:], jnp.float32) for w in (w_gate, w_up, w_down)]
+        dx, dwg, dwu, dwd = _over_chunks(starts[e], group_sizes[e], chunk, (dx, *zeros))
+        return (dx, dwg_all.at[e].set(dwg.astype(w_gate.dtype)), dwu_all.at[e].set(dwu.astype(w_up.dtype)),
+                dwd_all.at[e].set(dwd.astype(w_down.dtype)))
+
+    init = (jnp.zeros_like(padded), jnp.zeros_like(w_gate), jnp.zeros_like(w_up), jnp.zeros_like(w_down))
+    dx, dwg, dwu, dwd = jax.lax.fori_loop(0, w_gate.shape[0], expert, init)
+    dx = jnp.where(_valid_rows(m, group_sizes), dx[:m], jnp.zeros((), x.dtype))
+    return dx, dwg, dwu, dwd
+
+
+@jax.custom_vjp
+def _tiled(x, w_gate, w_up, w_down, group_sizes):
+    return _forward(x, w_gate, w_up, w_down, group_sizes)
+
+
+def _tiled_fwd(x, w_gate, w_up, w_down, group_sizes):
+    return _forward(x, w_gate, w_up, w_down, group_sizes), (x, w_gate, w_up, w_down, group_sizes)
+
+
+def _tiled_bwd(saved, dy):
+    return (*_backward(*saved, dy), None)
+
+
+_tiled.defvjp(_tiled_fwd, _tiled_bwd)
+
+
+def tiled_expert_ffn(x, w_gate, w_up, w_down, group_sizes) -> jax.Array:
+    """SwiGLU of each sorted row with its expert's weights, over each expert's own rows.
+
+    x [m, d]; w_gate, w_up [E, d, f]; w_down [E, f, d] (x's dtype); group_sizes [E] int32 (rows past
+    their sum are padding). Returns [m, d], padding rows 0.
     """
-    return DEFAULT_ROW_TILE if m >= DEFAULT_ROW_TILE * n_experts else SMALL_ROW_TILE
-
-
-def tile_count(m: int, n_experts: int, tile: int, capacity: int | None = None) -> int:
-    """Static upper bound on sum_e ceil(g_e / tile), given sum_e g_e <= m and g_e <= capacity."""
-    bound = (m + n_experts * (tile - 1)) // tile
-    if capacity is not None:
-        bound = min(bound, n_experts * -(-capacity // tile))
-    return max(bound, 1)
-
-
-def row_tile(m: int, tile: int = DEFAULT_ROW_TILE) -> int:
-    """The row tile used for m rows: `tile`, or m rounded up to 8 when smaller."""
-    return max(8, min(tile, -(-m // 8) * 8))
-
-
-def tiled_layout(group_sizes: jax.Array, m: int, tile: int, n_tiles: int):
-    """Where every row goes.
-
-    Returns (source [n_tiles * tile] int32: the sorted row each padded slot reads, m for empty slots;
-    target [m] int32: the padded slot of each sorted row, n_tiles * tile for padding rows;
-    tile_expert [n_tiles] int32: the expert of each tile, sorted, clipped to E - 1 for unused tiles).
-    """
-    n_experts = group_sizes.shape[0]
-    sizes = group_sizes.astype(jnp.int32)
-    tiles_per_expert = (sizes + tile - 1) // tile
-    tile_ends = jnp.cumsum(tiles_per_expert)
-    padded_starts = (tile_ends - tiles_per_expert) * tile
-    starts = jnp.cumsum(sizes) - sizes
-    tile_expert = jnp.searchsorted(tile_ends, jnp.arange(n_tiles, dtype=jnp.int32), side="right")
-    tile_expert = jnp.minimum(tile_expert, n_experts - 1).astype(jnp.int32)
-    slot = jnp.arange(n_tiles * tile, dtype=jnp.int32)
-    slot_expert = jnp.repeat(tile_expert, tile, total_repeat_length=n_tiles * tile)
-    offset = slot - padded_starts[slot_expert]
-    in_group = (offset >= 0) & (offset < sizes[slot_expert]) & (slot < tile_ends[-1] * tile)
-    source = jnp.where(in_group, starts[slot_expert] + offset, m)
-    row = jnp.arange(m, dtype=jnp.int32)
-    row_expert = jnp.minimum(jnp.searchsorted(jnp.cumsum(sizes), row, side="right"), n_experts - 1)
-    valid = row < jnp.sum(sizes)
-    target = jnp.where(valid, padded_starts[row_expert] + row - starts[row_expert], n_tiles * tile)
-    return source.astype(jnp.int32), target.astype(jnp.int32), tile_expert
-
-
-def tiled_expert_ffn(x, w_gate, w_up, w_down, group_sizes, *, tile: int | None = None,
-                     capacity: int | None = None) -> jax.Array:
-    """SwiGLU of each sorted row with its expert's weights, over expert-pure row tiles.
-
-    x [m, d]; w_gate, w_up [E, d, f]; w_down [E, f, d] (x's dtype); group_sizes [E] int32; capacity:
-    optional static bound on every group size (tightens the tile count); tile: rows per tile (None:
-    `default_tile`). Returns [m, d], padding rows 0.
-    """
-    m, d_model = x.shape
-    n_experts = w_gate.shape[0]
-    tile = row_tile(m, tile or default_tile(m, n_experts))
-    n_tiles = tile_count(m, n_experts, tile, capacity)
-    source, target, tile_expert = tiled_layout(group_sizes, m, tile, n_tiles)
-    x_tiles = jnp.take(x, source, axis=0, mode="fill", fill_value=0).reshape(n_tiles, tile, d_model)
-    per_tile = [jnp.take(w, tile_expert, axis=0) for w in (w_gate, w_up, w_down)]  # [n_tiles, ...]
-    gate = jnp.einsum("tmd,tdf->tmf", x_tiles, per_tile[0], preferred_element_type=jnp.float32)
-    up = jnp.einsum("tmd,tdf->tmf", x_tiles, per_tile[1], preferred_element_type=jnp.float32)
-    out = jnp.einsum("tmf,tfd->tmd", swiglu(gate, up, x.dtype), per_tile[2],
-                     preferred_element_type=jnp.float32)
-    out = out.astype(x.dtype).reshape(n_tiles * tile, d_model)
-    return jnp.take(out, target, axis=0, mode="fill", fill_value=0)
+    return _tiled(x, w_gate, w_up, w_down, group_sizes.astype(jnp.int32))

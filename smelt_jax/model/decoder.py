@@ -67,12 +67,25 @@ class Decoder(nnx.Module):
         logits, aux, _ = self.forward(tokens, segment_ids, positions, capture=capture)
         return logits, aux
 
+    def features(self, tokens: jax.Array, segment_ids: jax.Array, positions: jax.Array):
+        """-> (final-normed hidden [b, s, d] in the compute dtype, aux): everything but the unembedding,
+        for the fused chunked loss (model/loss.py), which multiplies by `self.unembedding` itself."""
+        hidden, aux, _ = self._trunk(tokens, segment_ids, positions)
+        return hidden, aux
+
     def forward(self, tokens, segment_ids, positions, *, cache: dict | None = None,
                 capture: bool = False):
         """The forward pass, optionally reading and extending a KV cache (see model/decode.py).
 
         Returns (logits, aux, updated cache or None).
         """
+        x, aux, new_cache = self._trunk(tokens, segment_ids, positions, cache=cache, capture=capture)
+        logits = jnp.einsum("bsd,dv->bsv", x, self.unembedding[...].astype(x.dtype),
+                            preferred_element_type=jnp.float32)
+        return constrain(logits, ("batch", "seq", "act_vocab")), aux, new_cache
+
+    def _trunk(self, tokens, segment_ids, positions, *, cache: dict | None = None, capture: bool = False):
+        """Embedding, stacks and final norm: (hidden [b, s, d] compute dtype, aux, cache or None)."""
         cfg = self.cfg
         _check_inputs(tokens, segment_ids, positions)
         compute = jnp.dtype(cfg.compute_dtype)
@@ -107,9 +120,6 @@ class Decoder(nnx.Module):
             x, stats["suffix"], new_cache["suffix"], captures["suffix"] = run_stack(
                 self.suffix, x, context, 1.0, caches=_get(cache, "suffix"), **run)
         x = self.final_norm(x)
-        logits = jnp.einsum("bsd,dv->bsv", x, self.unembedding[...].astype(compute),
-                            preferred_element_type=jnp.float32)
-        logits = constrain(logits, ("batch", "seq", "act_vocab"))
         aux = _aux(cfg, stats)
         if capture:
             aux["captures"] = _key_captures(cfg, captures)
@@ -118,7 +128,7 @@ class Decoder(nnx.Module):
                          "index": cache["index"] + tokens.shape[1]}
         else:
             new_cache = None
-        return logits, aux, new_cache
+        return x, aux, new_cache
 
 
 def _get(cache: dict | None, name: str):

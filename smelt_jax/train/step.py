@@ -3,7 +3,7 @@
 `params` is the model's `nnx.State` (a pytree of arrays); the model is rebuilt from its graph
 definition inside the step, so the step is a pure function that `jax.jit` can shard.
 
-Loss = masked next-token cross-entropy (mean over target tokens)
+Loss = masked next-token cross-entropy (mean over target tokens; `model.loss.unembed_cross_entropy`)
        + load_balance_weight * Switch load-balance loss + router_z_weight * router z-loss.
 AdamW is decoupled weight decay on everything but the RMSNorm scales, with global-norm clipping;
 the learning rate is an argument of the step (a pure function of the step, `train.lr`), so a decay
@@ -20,6 +20,7 @@ import optax
 from flax import nnx
 
 from smelt_jax.config import ModelConfig, Schedule
+from smelt_jax.model.loss import unembed_cross_entropy
 
 Batch = dict[str, jax.Array]  # tokens, targets, segment_ids, positions int32 [b, s]; loss_mask f32
 
@@ -41,18 +42,17 @@ def optimizer(schedule: Schedule) -> optax.GradientTransformation:
     )
 
 
-def cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(sum of masked token losses, number of masked tokens). logits [b, s, V] float32."""
-    log_z = jax.nn.logsumexp(logits, axis=-1)
-    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    losses = (log_z - target_logit) * mask
-    return losses.sum(), mask.sum()
+def _token_loss(model, batch: Batch):
+    """(sum of masked token losses, token count, aux): the model's trunk, then the fused chunked
+    unembedding + cross-entropy (model/loss.py; the float32 logits are never whole)."""
+    hidden, aux = model.features(batch["tokens"], batch["segment_ids"], batch["positions"])
+    loss_sum, count = unembed_cross_entropy(hidden, model.unembedding[...], batch["targets"],
+                                            batch["loss_mask"])
+    return loss_sum, count, aux
 
 
 def loss_fn(params: nnx.State, graphdef: nnx.GraphDef, cfg: ModelConfig, batch: Batch):
-    model = nnx.merge(graphdef, params)
-    logits, aux = model(batch["tokens"], batch["segment_ids"], batch["positions"])
-    loss_sum, count = cross_entropy(logits, batch["targets"], batch["loss_mask"])
+    loss_sum, count, aux = _token_loss(nnx.merge(graphdef, params), batch)
     ce = loss_sum / jnp.maximum(count, 1.0)
     total = (ce + cfg.load_balance_weight * aux["load_balance_loss"]
              + cfg.router_z_weight * aux["router_z_loss"])
@@ -80,8 +80,7 @@ def make_train_step(graphdef: nnx.GraphDef, cfg: ModelConfig, tx: optax.Gradient
 def make_eval_step(graphdef: nnx.GraphDef, cfg: ModelConfig):
     """-> eval_step(params, batch) -> (sum of token losses, token count)."""
     def eval_step(params, batch: Batch):
-        model = nnx.merge(graphdef, params)
-        logits, _ = model(batch["tokens"], batch["segment_ids"], batch["positions"])
-        return cross_entropy(logits, batch["targets"], batch["loss_mask"])
+        loss_sum, count, _ = _token_loss(nnx.merge(graphdef, params), batch)
+        return loss_sum, count
     return eval_step
 
