@@ -4,6 +4,7 @@ each against a count made by hand; and the roofline that combines them in the co
 import math
 
 import jax
+import numpy as np
 import jax.numpy as jnp
 import pytest
 from jax.sharding import NamedSharding
@@ -11,6 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 from smelt_jax.compile import aot
 from smelt_jax.compile import report as cr
+from smelt_jax.compile.hbm_traffic import hbm_bytes
 from smelt_jax.compile.hlo_stats import hlo_stats, shape_bytes
 from smelt_jax.compile.program_flops import program_flops
 from smelt_jax.model.expert_exchange import buffer_fill
@@ -97,6 +99,66 @@ def test_hlo_stats_multiplies_loop_bodies_by_their_trip_count():
     assert stats.collective_bytes == {"all-gather": 12 * 64, "all-reduce": 12 * 32, "all-to-all": 16}
     assert stats.send_bytes == 12 * 64 + 2 * 12 * 32 + 16  # all-reduce sends twice its size
     assert stats.sparsecore_offloads == 1
+
+
+# ------------------------------------------------------------------------------ HBM traffic walk
+
+
+def _cpu_compiled(fn, *shapes):
+    return jax.jit(fn).lower(*[jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes]).compile()
+
+
+def _xla_bytes(compiled) -> float:
+    cost = compiled.cost_analysis()
+    return float((cost[0] if isinstance(cost, list) else cost)["bytes accessed"])
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_walked_hbm_bytes_match_xla_cost_analysis_on_a_loop_free_program(seed):
+    # Random sizes: matmuls, a bias + gelu (fused), two reductions and a slice of a result.
+    rng = np.random.default_rng(seed)
+    b, d, f = (int(v) for v in rng.integers(8, 300, size=3))
+
+    def program(x, w1, w2, bias):
+        h = jax.nn.gelu(x @ w1 + bias)
+        y = h @ w2
+        return jnp.sum(y * y, axis=-1), jnp.max(h, axis=0), y[: b // 2, 1:]
+
+    compiled = _cpu_compiled(program, (b, d), (d, f), (f, d), (f,))
+    walked = hbm_bytes(compiled.as_text())
+    assert walked.loops == ()
+    assert walked.total == pytest.approx(_xla_bytes(compiled), rel=0.02)
+
+
+def _looped(trips):
+    def program(x, w):  # x [128, 96], w [96, 96]: a fori_loop of `trips` matmul + tanh steps
+        return jax.lax.fori_loop(0, trips, lambda i, h: jnp.tanh(h @ w), x)
+
+    return _cpu_compiled(program, (128, 96), (96, 96))
+
+
+def test_walked_hbm_bytes_multiply_a_fori_loop_body_by_its_trip_count():
+    walked = {n: hbm_bytes(_looped(n).as_text()) for n in (2, 3, 9)}
+    assert [w.loops for w in walked.values()] == [(2,), (3,), (9,)]
+    body = walked[3].total - walked[2].total  # one more iteration
+    # the body moves at least what its matmul reads and writes: h, w and the product (f32)
+    assert body >= 4 * (128 * 96 + 96 * 96 + 128 * 96)
+    assert walked[9].total == pytest.approx(walked[2].total + 7 * body)
+    # XLA's own count holds the body once: the walk of a 2-trip loop is one body more than it
+    assert walked[2].total - body == pytest.approx(_xla_bytes(_looped(2)), rel=0.02)
+
+
+def test_walk_charges_a_fusion_the_slices_it_reads_and_an_in_place_update_its_update():
+    def program(stack, x):  # stack [8, 64, 64]: one layer's slice read, another's updated in place
+        layer = jax.lax.dynamic_index_in_dim(stack, 3, keepdims=False)
+        return jax.lax.dynamic_update_index_in_dim(stack, jnp.tanh(x @ layer), 5, 0)
+
+    compiled = jax.jit(program, donate_argnums=0).lower(
+        jax.ShapeDtypeStruct((8, 64, 64), jnp.float32), jax.ShapeDtypeStruct((64, 64), jnp.float32)).compile()
+    walked = hbm_bytes(compiled.as_text()).total
+    stack_bytes = 8 * 64 * 64 * 4
+    assert walked < stack_bytes  # neither the slice nor the update is charged the whole stack
+    assert walked == pytest.approx(_xla_bytes(compiled), rel=0.05)
 
 
 @pytest.mark.tpu

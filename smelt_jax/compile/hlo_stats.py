@@ -4,7 +4,7 @@
 module walks the module's call graph itself: the ENTRY computation runs once, a `while` body runs its
 trip count times (read from its condition: `compare(get-tuple-element(param, 0), constant(N)),
 direction=LT`, the shape JAX's `scan` and `fori_loop` lower to; a loop counter starting at 0 is
-assumed), and fusions, calls and async wrappers run as often as their caller. It reports, per device:
+assumed), unless the compiler states it (`known_trip_count` in the loop's backend_config), and fusions, calls and async wrappers run as often as their caller. It reports, per device:
 
 - executed collectives by kind, with the bytes of their results (`*-done` for async pairs), and an
   estimate of the bytes each device sends: result bytes for all-gather / all-to-all / permutes,
@@ -37,6 +37,7 @@ _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.*?) ([a-z][a-z0-9\-]*)
 _ARRAY = re.compile(r"\b(" + "|".join(sorted(DTYPE_BYTES, key=len, reverse=True)) + r")\[([\d,]*)\]")
 _CALLEE = re.compile(r"\b(condition|body|calls|to_apply|true_computation|false_computation)=%([\w.\-]+)")
 _BRANCHES = re.compile(r"\bbranch_computations=\{([^}]*)\}")
+_KNOWN_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,9 +113,20 @@ def _callees(instruction: Instruction) -> list[tuple[str, str]]:
     return out
 
 
-def hlo_stats(text: str) -> HloStats:
-    """Executed collectives, SparseCore offloads and loop trip counts of a compiled HLO module."""
-    entry, computations = parse_module(text)
+def trip_count(instruction: Instruction, computations: dict[str, list[Instruction]]) -> int | None:
+    """Iterations of a `while` instruction: the compiler's `known_trip_count` in its backend_config,
+    else the constant its condition compares the counter against (None when neither is there)."""
+    known = _KNOWN_TRIPS.search(instruction.rest)
+    if known:
+        return int(known.group(1))
+    return _trip_count(computations.get(dict(_callees(instruction)).get("condition", ""), []))
+
+
+def execution_counts(entry: str, computations: dict[str, list[Instruction]]
+                     ) -> tuple[dict[str, float], list[int | None]]:
+    """({computation: times it runs per execution of the module}, the trip count of every `while` in
+    visiting order). ENTRY runs once; a `while` body runs its trip count times (1 when unknown) and its
+    condition once more; fusions, calls, branches and async wrappers run as often as their caller."""
     runs: dict[str, float] = defaultdict(float)
     trips: list[int | None] = []
 
@@ -126,7 +138,7 @@ def hlo_stats(text: str) -> HloStats:
             callees = _callees(instruction)
             trip = None
             if instruction.op == "while":
-                trip = _trip_count(computations.get(dict(callees).get("condition", ""), []))
+                trip = trip_count(instruction, computations)
                 trips.append(trip)
             for role, callee in callees:
                 factor = 1.0
@@ -135,6 +147,13 @@ def hlo_stats(text: str) -> HloStats:
                 visit(callee, times * factor)
 
     visit(entry, 1.0)
+    return runs, trips
+
+
+def hlo_stats(text: str) -> HloStats:
+    """Executed collectives, SparseCore offloads and loop trip counts of a compiled HLO module."""
+    entry, computations = parse_module(text)
+    runs, trips = execution_counts(entry, computations)
     static: dict[str, int] = defaultdict(int)
     counts: dict[str, float] = defaultdict(float)
     result_bytes: dict[str, float] = defaultdict(float)

@@ -16,7 +16,8 @@ test oracle (tests/test_attention_splash.py). Which one runs is decided by
   input dtype; the scores are computed with float32 accumulation, as in the reference.
 - Mosaic kernels cannot be partitioned by GSPMD: under a mesh the call runs in a `shard_map`, batch split
   as the activations are (the `batch` rule) and heads over `tensor` when both head counts divide.
-- Off TPU the kernel runs in Pallas interpret mode (slow: tests only).
+- Off TPU the kernel runs in Pallas interpret mode (slow: tests only); whether it does is read from the
+  compile target (`kernels.backend.pallas_interpret`), so an ahead-of-time TPU compile gets Mosaic.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 from smelt_jax import sharding
 from smelt_jax.errors import UsageError
-from smelt_jax.kernels.backend import SPLASH_SEQ_MULTIPLE
+from smelt_jax.kernels.backend import SPLASH_SEQ_MULTIPLE, pallas_interpret
 
 BLOCKS = (512, 256, 128)  # the largest that divides the row length is used (one size for every block)
 KERNEL_PREFIX = "splash_"  # splash's pallas_call names: splash_{mha,mqa}_{fwd,dq,dkv}...
@@ -82,10 +83,9 @@ def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.
                      interpret: bool | None = None) -> jax.Array:
     """Segment-causal GQA attention: q [b, s, heads, hd], k and v [b, s, kv_heads, hd] (heads a multiple
     of kv_heads), segment_ids [b, s] (0 = padding: it attends to padding only) -> [b, s, heads, hd] in
-    q's dtype. `interpret` None = Mosaic on TPU, Pallas interpret mode elsewhere."""
-    if interpret is None:
-        interpret = jax.default_backend() != "tpu"
-    body = functools.partial(_local_attention, interpret=interpret)
+    q's dtype. `interpret` None = Mosaic when tracing for a TPU (an ahead-of-time compile included),
+    Pallas interpret mode elsewhere (`kernels.backend.pallas_interpret`)."""
+    body = functools.partial(_local_attention, interpret=pallas_interpret(interpret))
     mesh = sharding.current_mesh()
     if mesh is None or mesh.size == 1:
         return body(q, k, v, segment_ids)
