@@ -1,6 +1,7 @@
 """Program FLOPs from the jaxpr (loops x trip count) and executed collectives from compiled HLO text,
 each against a count made by hand; and the roofline that combines them in the compile report."""
 
+import dataclasses
 import math
 
 import jax
@@ -225,8 +226,12 @@ def test_analyse_takes_the_larger_of_compute_and_communication():
     assert report.compute_seconds == pytest.approx(200e12 / 459e12)
     assert report.comm_seconds == pytest.approx((12 * 64 + 2 * 12 * 32 + 16) / 600e9)
     assert report.comm_seconds_ragged == pytest.approx((12 * 64 + 2 * 12 * 32 + 16 * 0.125) / 600e9)
-    assert report.step_seconds == report.compute_seconds  # compute-bound
-    assert report.mfu == pytest.approx(100e12 / 200e12)
+    # the all-to-all is synchronous: exposed, after the compute-bound max
+    assert report.exchange_exposed_seconds == pytest.approx(16 / 600e9)
+    assert report.step_seconds == pytest.approx(report.compute_seconds + 16 / 600e9)
+    assert report.dominant_term == "compute"
+    assert report.hbm_traffic_bytes > 0 and report.hbm_seconds == pytest.approx(report.hbm_traffic_bytes / 2765e9)
+    assert report.mfu == pytest.approx(100e12 / (report.step_seconds * 459e12))
     assert report.sparsecore_offloads == 1
     assert math.isclose(report.as_dict()["program_ratio"], 2.0)
     ragged_hlo = SYNTHETIC_HLO.replace("all-to-all(%x.0)", "ragged-all-to-all(%x.0)")
@@ -236,6 +241,44 @@ def test_analyse_takes_the_larger_of_compute_and_communication():
     bare = cr.analyse(_report(), by_kind, None)
     assert bare.step_seconds is None and bare.mfu is None  # no collectives known: no roofline claimed
 
+
+
+def test_the_roofline_is_the_largest_term_plus_the_exposed_exchange():
+    base = dict(compute_seconds=1.0, hbm_seconds=3.0, comm_seconds=2.5, budget_flops=459e12)
+    hbm_bound = dataclasses.replace(_report(), **base, exchange_exposed_seconds=0.5)
+    assert cr.roofline_terms(hbm_bound) == (3.5, "HBM")  # ICI 2.0 overlapped, exchange 0.5 after
+    exchange_bound = dataclasses.replace(_report(), **{**base, "comm_seconds": 12.0}, exchange_exposed_seconds=10.0)
+    assert cr.roofline_terms(exchange_bound) == (13.0, "exchange")
+    assert cr.roofline_terms(dataclasses.replace(_report(), compute_seconds=1.0)) is None
+
+
+def test_an_async_exchange_with_compute_between_start_and_done_is_overlapped():
+    sync = hlo_stats(SYNTHETIC_HLO)
+    assert sync.exchange_exposed_bytes == 16  # the synchronous all-to-all
+    overlapped = SYNTHETIC_HLO.replace(
+        "  %a2a = bf16[2,4]{1,0} all-to-all(%x.0), dimensions={0}\n",
+        "  %a2as = (f32[8]{0}, bf16[2,4]{1,0}) all-to-all-start(%x.0), dimensions={0}, replica_groups=[16,4]<=[64]\n"
+        "  %f = f32[8]{0} fusion(%x.0), kind=kLoop, calls=%sum\n"
+        "  %a2a = bf16[2,4]{1,0} all-to-all-done(%a2as)\n")
+    stats = hlo_stats(overlapped)
+    assert stats.collective_bytes["all-to-all"] == 16 and stats.exchange_exposed_bytes == 0
+    assert ("all-to-all", 4, 16.0) in stats.send_bytes_by_group
+    back_to_back = overlapped.replace("  %f = f32[8]{0} fusion(%x.0), kind=kLoop, calls=%sum\n", "")
+    assert hlo_stats(back_to_back).exchange_exposed_bytes == 16  # nothing runs while it is in flight
+
+
+def test_conventional_flops_add_the_lm_head_and_causal_attention():
+    import experiments
+
+    run = next(r for r in experiments.load_suite("smoke") if r.arch == "baseline")
+    cfg = run.model
+    per_token = cr.conventional_train_flops(cfg, 1.0)
+    from smelt_jax import budget
+
+    six_n = budget.train_flops_per_token(cfg, attended_keys=0)
+    head = 6 * cfg.d_model * cfg.vocab
+    attention = 12 * cfg.executed_layers * cfg.n_heads * cfg.head_dim * cfg.seq_len / 2
+    assert per_token == pytest.approx(six_n + head + attention)
 
 
 def test_splash_flops_are_not_scaled_by_the_expert_buffer_fill():

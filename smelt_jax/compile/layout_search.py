@@ -30,6 +30,7 @@ from smelt_jax.compile.report import (
     ANALYSIS_VERSION,
     CompileReport,
     analyse,
+    conventional_train_flops,
     read_hlo,
     with_accounting,
 )
@@ -129,7 +130,10 @@ def complete_analysis(run: RunSpec, result: SearchResult, trace_fn: Callable[...
         devices = parse_slice(report.slice).chips
         by_kind = {kind: value * devices for kind, value in report.program_flops_by_kind.items()}
     hlo_text = read_hlo(hlo) if hlo.exists() else None
-    report = analyse(report, by_kind, hlo_text, pallas_fill=fill)
+    devices = parse_slice(report.slice).chips
+    conventional = report.conventional_flops or conventional_train_flops(
+        run.model, run.schedule.tokens_per_step / devices)
+    report = analyse(report, by_kind, hlo_text, pallas_fill=fill, conventional_flops=conventional)
     if report.flops_accounting is None:
         report = with_accounting(report, run, trace_fn)
     _write_cache(path, run, candidate, report)
