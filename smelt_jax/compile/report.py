@@ -34,7 +34,7 @@ import jax
 
 from smelt_jax import budget as budget_lib
 from smelt_jax import sharding
-from smelt_jax.compile import aot
+from smelt_jax.compile import aot, checkpoint_cadence
 from smelt_jax.compile.hbm_traffic import hbm_bytes
 from smelt_jax.compile.hlo_stats import COLLECTIVE_KINDS, EXCHANGE_KINDS, hlo_stats
 from smelt_jax.compile.program_flops import ProgramFlops, program_flops
@@ -90,6 +90,8 @@ class CompileReport:
     conventional_flops: float | None = None
     mfu_conventional: float | None = None  # conventional_flops / (step_seconds * chip peak)
     dominant_term: str | None = None  # 'compute', 'HBM', 'ICI' or 'exchange': what sets step_seconds
+    checkpoint_bytes: int | None = None  # one save: parameters + Adam state, whole model
+    suite: str | None = None  # the run's suite: its checkpoint interval (`checkpoint_cadence`)
 
     @property
     def flops_ratio(self) -> float | None:
@@ -287,7 +289,8 @@ def compile_run(run: RunSpec, slice_name: str, layout: Parallelism | None = None
     """
     program = _program(run, slice_name, layout, remat)
     tpu, cfg = program.tpu, program.cfg
-    base = {"run_id": run.id, "slice": slice_name, "layout": dict(program.mesh.shape), "remat": program.remat,
+    base = {"run_id": run.id, "suite": run.suite, "slice": slice_name, "layout": dict(program.mesh.shape),
+            "remat": program.remat,
             "expert_impl": cfg.expert_impl, "hbm_bytes": tpu.hbm_bytes}
     start = time.perf_counter()
     try:
@@ -303,6 +306,7 @@ def compile_run(run: RunSpec, slice_name: str, layout: Parallelism | None = None
         write_hlo(hlo_path, hlo_text)
     report = CompileReport(
         **base, peak_fits_hbm=peak is None or peak <= tpu.hbm_bytes, error=None,
+        checkpoint_bytes=checkpoint_cadence.save_bytes(run),
         compile_seconds=summary.compile_seconds, argument_bytes=summary.argument_bytes,
         output_bytes=summary.output_bytes, temp_bytes=summary.temp_bytes, peak_bytes=peak,
         compiled_flops=summary.flops, budget_flops=program.budget_flops,
@@ -392,16 +396,22 @@ def format_report(report: CompileReport) -> str:
         lines.append(f"  HBM traffic walked from the HLO (operands + results of every top-level op, loops x "
                      f"trip count): {report.hbm_traffic_bytes / 1e9:.1f} GB per device per step")
     if report.step_seconds is not None:
-        lines.append(f"  roofline step >= {report.step_seconds:.3f} s = max(compute {report.compute_seconds:.3f} s, "
-                     f"HBM {report.hbm_seconds:.3f} s, ICI {report.comm_seconds - (report.exchange_exposed_seconds or 0):.3f} s) "
-                     f"+ exposed expert exchange {report.exchange_exposed_seconds or 0:.3f} s; "
-                     f"dominant: {report.dominant_term}")
+        exposed = report.exchange_exposed_seconds or 0.0
+        lines.append(f"  roofline step >= {report.step_seconds:.4g} s = max(compute {report.compute_seconds:.4g} s, "
+                     f"HBM {report.hbm_seconds:.4g} s, ICI {report.comm_seconds - exposed:.4g} s) "
+                     f"+ exposed expert exchange {exposed:.4g} s; dominant: {report.dominant_term}")
         conventional = "?" if report.mfu_conventional is None else f"{100 * report.mfu_conventional:.1f}%"
         lines.append(f"  roofline MFU <= {100 * (report.mfu or 0):.1f}% (paper budget FLOPs), "
                      f"roofline MFU <= {conventional} (6N + LM head + causal attention, as MaxText)")
     if report.comm_seconds_ragged is not None:
         lines.append(f"  projected ICI with expert_exchange='ragged' (all-to-all bytes x fill "
                      f"{report.pallas_fill:.3f}): {report.comm_seconds_ragged:.3f} s")
+    if report.checkpoint_bytes is not None:
+        chosen = checkpoint_cadence.cadence(report.suite or "", report.step_seconds)
+        every = ("no interval set for this suite: the trainer's --checkpoint-every" if chosen is None else
+                 f"every {chosen[1]:,} steps = {chosen[0]:g} min at the roofline step")
+        lines.append(f"  checkpoint: {report.checkpoint_bytes / 1e9:.1f} GB per save (parameters + Adam state); "
+                     f"{every}")
     lines.append(f"  XLA optimal_seconds {report.optimal_seconds} (each loop body once, -1 per SparseCore "
                  "offload: not a step time)")
     return "\n".join(lines)
