@@ -9,8 +9,8 @@ Sources: the Cloud TPU system-architecture pages per generation (HBM, bf16 peak,
 Interconnect BW" 2400/1600/4800/3584 Gbps; v5p's page also gives it as 1200 GB/s bidirectional, egress
 per chip is what a collective's sends share; the chip's links are spread evenly over its torus axes,
 two per axis, so one axis carries egress / torus_dims), HBM bandwidth from the same pages and the
-generations' spec sheets (v4 1,200 GB/s, v5e 819 GB/s, v5p 2,765 GB/s, v6e 1,640 GB/s), the GKE TPU pages (node labels, topologies, 4 chips per
-host on multi-host slices) and the vendors' data sheets for the GPUs (dense bf16, no sparsity).
+generations' spec sheets (v4 1,200 GB/s, v5e 819 GB/s, v5p 2,765 GB/s, v6e 1,640 GB/s), the GKE TPU
+pages (node labels, topologies, 4 chips per host on multi-host slices) and the vendors' data sheets for the GPUs (dense bf16, no sparsity).
 """
 
 from __future__ import annotations

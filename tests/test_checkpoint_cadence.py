@@ -25,7 +25,7 @@ def test_bytes_per_save_are_the_parameters_and_adams_two_moments():
     for run in _smoke_runs()[:2]:
         from flax import nnx
 
-        model = nnx.eval_shape(lambda: Decoder(run.model, rngs=nnx.Rngs(0)))
+        model = nnx.eval_shape(lambda cfg=run.model: Decoder(cfg, rngs=nnx.Rngs(0)))
         params = sum(x.size * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
         # float32 parameters, Adam's mu and nu of the same size, and a few scalar step counters
         assert 3 * params <= cc.save_bytes(run) <= 3 * params + 64

@@ -4,7 +4,8 @@
 module walks the module's call graph itself: the ENTRY computation runs once, a `while` body runs its
 trip count times (read from its condition: `compare(get-tuple-element(param, 0), constant(N)),
 direction=LT`, the shape JAX's `scan` and `fori_loop` lower to; a loop counter starting at 0 is
-assumed), unless the compiler states it (`known_trip_count` in the loop's backend_config), and fusions, calls and async wrappers run as often as their caller. It reports, per device:
+assumed), unless the compiler states it (`known_trip_count` in the loop's backend_config), and fusions,
+calls and async wrappers run as often as their caller. It reports, per device:
 
 - executed collectives by kind, with the bytes of their results (`*-done` for async pairs), and an
   estimate of the bytes each device sends: result bytes for all-gather / all-to-all / permutes,

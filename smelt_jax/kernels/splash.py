@@ -40,8 +40,8 @@ from smelt_jax.errors import UsageError
 from smelt_jax.kernels.backend import SPLASH_SEQ_MULTIPLE, pallas_interpret
 
 BLOCKS = (512, 256, 128)  # the largest that divides the row length is used (one size for every block)
-KERNEL_PREFIX = "splash_"
-RESIDUALS_NAME = "splash_residuals"  # checkpoint_name of what the backward kernel reads (remat policies)  # splash's pallas_call names: splash_{mha,mqa}_{fwd,dq,dkv}...
+KERNEL_PREFIX = "splash_"  # splash's pallas_call names: splash_{mha,mqa}_{fwd,dq,dkv}...
+RESIDUALS_NAME = "splash_residuals"  # checkpoint_name of what the backward kernel reads (remat policies)
 
 
 def block_size(seq_len: int) -> int:
