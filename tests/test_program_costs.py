@@ -149,6 +149,27 @@ def test_walked_hbm_bytes_multiply_a_fori_loop_body_by_its_trip_count():
     assert walked[2].total - body == pytest.approx(_xla_bytes(_looped(2)), rel=0.02)
 
 
+MULTILINE_HLO = """HloModule m, is_scheduled=true
+
+ENTRY %main (x: f32[256]) -> f32[256] {
+  %x = f32[256]{0} parameter(0)
+  %kernel = f32[256]{0} custom-call(%x), custom_call_target="tpu_custom_call", frontend_attributes={kernel_metadata={
+  "name": "k"
+}}, metadata={op_name="k/pallas_call"}
+  %ar = f32[256]{0} all-reduce(%kernel), replica_groups={}, to_apply=%sum
+  ROOT %y = f32[256]{0} add(%ar, %x)
+}
+"""
+
+
+def test_an_instruction_spanning_lines_does_not_end_its_computation():
+    # A Mosaic kernel's metadata spans lines starting with "}": the instructions after it still count.
+    sum_computation = "%sum (a: f32[], b: f32[]) -> f32[] {\n  %a = f32[] parameter(0)\n  %b = f32[] parameter(1)\n  ROOT %c = f32[] add(%a, %b)\n}\n\n"
+    text = MULTILINE_HLO.replace("ENTRY", sum_computation + "ENTRY")
+    assert hlo_stats(text).collective_counts == {"all-reduce": 1}
+    assert hbm_bytes(text).by_op == {"custom-call": 2048.0, "all-reduce": 2048.0, "add": 3072.0}
+
+
 def test_walk_charges_a_fusion_the_slices_it_reads_and_an_in_place_update_its_update():
     def program(stack, x):  # stack [8, 64, 64]: one layer's slice read, another's updated in place
         layer = jax.lax.dynamic_index_in_dim(stack, 3, keepdims=False)

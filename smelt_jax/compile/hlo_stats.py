@@ -82,10 +82,15 @@ def shape_bytes(shape: str) -> float:
 
 
 def parse_module(text: str) -> tuple[str, dict[str, list[Instruction]]]:
-    """(entry computation name, {computation name: instructions}) of an HLO module's text."""
+    """(entry computation name, {computation name: instructions}) of an HLO module's text.
+
+    An instruction may span lines (a Mosaic custom call's `kernel_metadata={...}` does, and its
+    continuation lines start with `}`): lines are continuation while the instruction's braces are
+    open, and only a line that is `}` alone, outside an instruction, closes the computation."""
     computations: dict[str, list[Instruction]] = {}
     entry = None
     current: list[Instruction] | None = None
+    open_braces = 0
     for line in text.splitlines():
         if current is None:
             header = _HEADER.match(line)
@@ -95,12 +100,16 @@ def parse_module(text: str) -> tuple[str, dict[str, list[Instruction]]]:
                     entry = name
                 current = computations.setdefault(name, [])
             continue
-        if line.startswith("}"):
+        if open_braces > 0:
+            open_braces += line.count("{") - line.count("}")
+            continue
+        if line.rstrip() == "}":
             current = None
             continue
         match = _INSTRUCTION.match(line)
         if match:
             current.append(Instruction(*match.groups()))
+            open_braces = max(line.count("{") - line.count("}"), 0)
     if entry is None:
         raise ValueError("no ENTRY computation in the HLO text")
     return entry, computations
