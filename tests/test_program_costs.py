@@ -164,7 +164,8 @@ ENTRY %main (x: f32[256]) -> f32[256] {
 
 def test_an_instruction_spanning_lines_does_not_end_its_computation():
     # A Mosaic kernel's metadata spans lines starting with "}": the instructions after it still count.
-    sum_computation = "%sum (a: f32[], b: f32[]) -> f32[] {\n  %a = f32[] parameter(0)\n  %b = f32[] parameter(1)\n  ROOT %c = f32[] add(%a, %b)\n}\n\n"
+    sum_computation = ("%sum (a: f32[], b: f32[]) -> f32[] {\n  %a = f32[] parameter(0)\n"
+                       "  %b = f32[] parameter(1)\n  ROOT %c = f32[] add(%a, %b)\n}\n\n")
     text = MULTILINE_HLO.replace("ENTRY", sum_computation + "ENTRY")
     assert hlo_stats(text).collective_counts == {"all-reduce": 1}
     assert hbm_bytes(text).by_op == {"custom-call": 2048.0, "all-reduce": 2048.0, "add": 3072.0}
