@@ -37,6 +37,7 @@ ENTRY %main (x: f32[8]) -> f32[8] {
 
 
 @pytest.mark.tpu
+@pytest.mark.integration
 def test_micro_train_step_compiles_for_a_tpu_slice():
     available, reason = aot.libtpu_status()
     if not available:
@@ -55,6 +56,7 @@ def test_micro_train_step_compiles_for_a_tpu_slice():
 
 
 @pytest.mark.tpu
+@pytest.mark.integration
 def test_xla_step_estimate_carries_minus_one_per_sparsecore_offload():
     """Why the report does not use `optimal_seconds`: on v5p (4 SparseCores per chip) the train step's
     scatters are offloaded, and each offload adds -1 s to the estimate; what is left is a small positive

@@ -17,7 +17,7 @@ from smelt_jax.kernels.backend import pallas_interpret
 from smelt_jax.kernels.gmm import gmm, tgmm
 from smelt_jax.kernels.pallas_ffn import pallas_expert_ffn
 
-pytestmark = pytest.mark.tpu
+pytestmark = [pytest.mark.tpu, pytest.mark.integration]  # every test here compiles for TPU
 
 TOPOLOGIES = ["v5e:2x2", "v5p:2x2x1", "v6e:2x2"]
 M, D, F, E = 512, 256, 384, 4
@@ -127,7 +127,6 @@ def test_interpret_none_means_mosaic_only_inside_a_tpu_mesh():
     assert pallas_interpret(None) is True
 
 
-@pytest.mark.integration
 def test_splash_compiles_to_mosaic_ahead_of_time_for_v5p():
     """Splash forward + backward compiled for a v5p chip from this CPU: two Mosaic custom calls (the
     forward and the fused backward) and no Pallas interpret-mode loop (interpret mode lowers the kernel's

@@ -185,6 +185,7 @@ def test_walk_charges_a_fusion_the_slices_it_reads_and_an_in_place_update_its_up
 
 
 @pytest.mark.tpu
+@pytest.mark.integration
 def test_hlo_stats_on_a_real_tpu_program_with_collectives_in_a_scan():
     available, reason = aot.libtpu_status()
     if not available:
@@ -212,6 +213,7 @@ def test_hlo_stats_on_a_real_tpu_program_with_collectives_in_a_scan():
 
 
 @pytest.mark.tpu
+@pytest.mark.integration
 def test_xla_step_estimate_counts_a_loop_body_once():
     """Why the report does not use `optimal_seconds`: a scan of 8 [4096, 4096] matmuls gets about the
     estimate of one matmul (docs/parallelism.md quotes these two numbers)."""
