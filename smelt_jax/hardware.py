@@ -1,5 +1,5 @@
-"""Hardware facts, in one table: chips (HBM, dense bf16 peak FLOP/s, ICI bandwidth, cores per chip,
-hosts), TPU slice names and their torus shapes. The trainer's MFU, the compile report and the sweep
+"""Hardware facts, in one table: chips (HBM size and bandwidth, dense bf16 peak FLOP/s, ICI bandwidth,
+cores per chip, hosts), TPU slice names and their torus shapes. The trainer's MFU, the compile report and the sweep
 backends all read them here; nothing else states a chip number.
 
     parse_slice("v5p-128")  -> Slice: 64 chips on 16 hosts, torus 4x4x4 ('v5p:4x4x4' for the compiler)
@@ -7,8 +7,10 @@ backends all read them here; nothing else states a chip number.
 
 Sources: the Cloud TPU system-architecture pages per generation (HBM, bf16 peak, "Interchip
 Interconnect BW" 2400/1600/4800/3584 Gbps; v5p's page also gives it as 1200 GB/s bidirectional, egress
-per chip is what a collective's sends share), the GKE TPU pages (node labels, topologies, 4 chips per
-host on multi-host slices) and the vendors' data sheets for the GPUs (dense bf16, no sparsity).
+per chip is what a collective's sends share; the chip's links are spread evenly over its torus axes,
+two per axis, so one axis carries egress / torus_dims), HBM bandwidth from the same pages and the
+generations' spec sheets (v4 1,200 GB/s, v5e 819 GB/s, v5p 2,765 GB/s, v6e 1,640 GB/s), the GKE TPU
+pages (node labels, topologies, 4 chips per host on multi-host slices) and the vendors' data sheets for the GPUs (dense bf16, no sparsity).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ class Chip:
     peak_flops: float                 # dense bf16 FLOP/s per chip
     hbm_bytes: int | None = None
     ici_bytes_per_second: float | None = None  # inter-chip interconnect egress per chip
+    hbm_bytes_per_second: float | None = None  # HBM bandwidth per chip (spec sheet)
     cores_per_chip: int = 1           # slice names of v4 and v5p count TensorCores (2 per chip)
     torus_dims: int = 0               # 3: 3D torus (v4, v5p); 2: 2D grid (v5e, v6e); 0: not a TPU
     single_host_chips: int = 4        # the largest slice that is one host (8 for v5e/v6e)
@@ -36,16 +39,16 @@ class Chip:
 
 TPU_CHIPS = {
     "v4": Chip("v4", peak_flops=275e12, hbm_bytes=32 * 2**30, ici_bytes_per_second=2400e9 / 8,
-               cores_per_chip=2, torus_dims=3, gke_accelerator="tpu-v4-podslice",
+               hbm_bytes_per_second=1200e9, cores_per_chip=2, torus_dims=3, gke_accelerator="tpu-v4-podslice",
                runtime_version="tpu-ubuntu2204-base"),
     "v5e": Chip("v5e", peak_flops=197e12, hbm_bytes=16 * 2**30, ici_bytes_per_second=1600e9 / 8,
-                torus_dims=2, single_host_chips=8, gke_accelerator="tpu-v5-lite-podslice",
+                hbm_bytes_per_second=819e9, torus_dims=2, single_host_chips=8, gke_accelerator="tpu-v5-lite-podslice",
                 runtime_version="v2-alpha-tpuv5-lite"),
     "v5p": Chip("v5p", peak_flops=459e12, hbm_bytes=95 * 2**30, ici_bytes_per_second=4800e9 / 8,
-                cores_per_chip=2, torus_dims=3, gke_accelerator="tpu-v5p-slice",
+                hbm_bytes_per_second=2765e9, cores_per_chip=2, torus_dims=3, gke_accelerator="tpu-v5p-slice",
                 runtime_version="v2-alpha-tpuv5"),
     "v6e": Chip("v6e", peak_flops=918e12, hbm_bytes=32 * 2**30, ici_bytes_per_second=3584e9 / 8,
-                torus_dims=2, single_host_chips=8, gke_accelerator="tpu-v6e-slice",
+                hbm_bytes_per_second=1640e9, torus_dims=2, single_host_chips=8, gke_accelerator="tpu-v6e-slice",
                 runtime_version="v2-alpha-tpuv6e"),
 }
 GPU_CHIPS = {
@@ -118,6 +121,31 @@ class Slice:
     @property
     def ici_bytes_per_second(self) -> float:
         return self.chip.ici_bytes_per_second
+
+    @property
+    def hbm_bytes_per_second(self) -> float:
+        return self.chip.hbm_bytes_per_second
+
+    @property
+    def ici_bytes_per_second_per_axis(self) -> float:
+        """ICI egress of one chip along one torus axis (both directions): egress / torus_dims."""
+        return self.chip.ici_bytes_per_second / self.chip.torus_dims
+
+    def ici_axes_spanned(self, group_size: int) -> int:
+        """Torus axes a collective over `group_size` chips uses at least: the fewest physical axes (largest
+        first) whose chips multiply to the group size or more, e.g. 8 chips of 4x4x4 -> 2 axes, 64 -> 3.
+        The mesh-to-torus mapping is not read from the program, so this is the most favourable case."""
+        dims = sorted((int(d) for d in self.shape.split("x")), reverse=True)
+        chips, axes = 1, 0
+        for dim in dims:
+            if chips >= group_size:
+                break
+            chips, axes = chips * dim, axes + 1
+        return max(axes, 1)
+
+    def ici_bytes_per_second_for_group(self, group_size: int) -> float:
+        """Egress one chip has for a collective over `group_size` chips: the axes it spans x one axis's."""
+        return self.ici_axes_spanned(group_size) * self.ici_bytes_per_second_per_axis
 
     @property
     def gke_accelerator(self) -> str:

@@ -37,6 +37,7 @@ ENTRY %main (x: f32[8]) -> f32[8] {
 
 
 @pytest.mark.tpu
+@pytest.mark.integration
 def test_micro_train_step_compiles_for_a_tpu_slice():
     available, reason = aot.libtpu_status()
     if not available:
@@ -55,6 +56,7 @@ def test_micro_train_step_compiles_for_a_tpu_slice():
 
 
 @pytest.mark.tpu
+@pytest.mark.integration
 def test_xla_step_estimate_carries_minus_one_per_sparsecore_offload():
     """Why the report does not use `optimal_seconds`: on v5p (4 SparseCores per chip) the train step's
     scatters are offloaded, and each offload adds -1 s to the estimate; what is left is a small positive
@@ -68,3 +70,36 @@ def test_xla_step_estimate_carries_minus_one_per_sparsecore_offload():
     print(f"{report.sparsecore_offloads} SparseCore offloads, optimal_seconds {report.optimal_seconds:.6g}")
     assert report.sparsecore_offloads > 0 and report.optimal_seconds < 0
     assert 0 < report.optimal_seconds + report.sparsecore_offloads < 0.01
+
+
+@pytest.mark.tpu
+@pytest.mark.integration
+def test_smelt_compile_writes_the_hlo_and_prints_the_three_roofline_terms(tmp_path, capsys):
+    """`smelt compile ID --hlo-out FILE` on a micro run: the file is the gzipped compiled HLO, attention
+    in it is Mosaic (no Pallas interpret-mode loop), and the report prints compute, HBM and ICI with both
+    roofline MFUs."""
+    import re
+
+    available, reason = aot.libtpu_status()
+    if not available:
+        pytest.skip(reason)
+    import experiments
+    from smelt_jax.cli import main
+
+    run = next(r for r in experiments.load_suite("smoke") if r.arch == "baseline")
+    hlo = tmp_path / "step.hlo.gz"
+    code = main(["compile", run.id, "--topology", "v5p-8", "--layout", "data=2,fsdp=2", "--hlo-out", str(hlo)])
+    out = capsys.readouterr().out
+    assert code == 0
+    text = cr.read_hlo(hlo)
+    assert text.startswith("HloModule")
+    mosaic = [line for line in text.splitlines() if 'custom_call_target="tpu_custom_call"' in line]
+    assert any("%splash_mha_fwd" in line.split(" = ", 1)[0] for line in mosaic)
+    assert not re.search(r' while\(.*op_name="[^"]*/splash_mha', text)
+    number = r"([\d.e+-]+)"
+    step = re.search(rf"roofline step >= {number} s = max\(compute {number} s, HBM {number} s, ICI {number} s\) "
+                     rf"\+ exposed expert exchange {number} s", out)
+    assert step, out
+    total, *terms = (float(v) for v in step.groups())
+    assert total == pytest.approx(max(terms[:3]) + terms[3], rel=1e-3) and terms[1] > 0
+    assert out.count("roofline MFU <=") == 2

@@ -65,3 +65,17 @@ def test_peak_flops_by_device_kind():
     assert hw.peak_flops_for_device_kind("cpu") is None
     # every TPU chip is reachable from a device kind, and carries the same peak as its slices
     assert {chip.name for _, chip in hw.DEVICE_KINDS} >= set(hw.TPU_CHIPS)
+
+
+def test_hbm_bandwidth_and_ici_per_torus_axis():
+    # spec sheets: v5e 819 GB/s, v5p 2,765 GB/s, v6e 1,640 GB/s
+    assert {g: hw.TPU_CHIPS[g].hbm_bytes_per_second for g in ("v5e", "v5p", "v6e")} == {
+        "v5e": 819e9, "v5p": 2765e9, "v6e": 1640e9}
+    v5p = hw.parse_slice("v5p-128")  # 4x4x4
+    assert v5p.hbm_bytes_per_second == 2765e9
+    assert v5p.ici_bytes_per_second_per_axis == pytest.approx(600e9 / 3)
+    assert [v5p.ici_axes_spanned(g) for g in (1, 2, 4, 8, 16, 17, 64)] == [1, 1, 1, 2, 2, 3, 3]
+    assert v5p.ici_bytes_per_second_for_group(64) == pytest.approx(v5p.ici_bytes_per_second)
+    v5e = hw.parse_slice("v5e-256")  # 16x16, 2 axes
+    assert [v5e.ici_axes_spanned(g) for g in (16, 17, 256)] == [1, 2, 2]
+    assert v5e.ici_bytes_per_second_for_group(256) == pytest.approx(v5e.ici_bytes_per_second)

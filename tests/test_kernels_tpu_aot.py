@@ -12,10 +12,12 @@ import numpy as np
 import pytest
 
 from smelt_jax.compile import aot
-from smelt_jax.kernels.gmm import gmm, resolve_interpret, tgmm
+from smelt_jax.kernels import splash
+from smelt_jax.kernels.backend import pallas_interpret
+from smelt_jax.kernels.gmm import gmm, tgmm
 from smelt_jax.kernels.pallas_ffn import pallas_expert_ffn
 
-pytestmark = pytest.mark.tpu
+pytestmark = [pytest.mark.tpu, pytest.mark.integration]  # every test here compiles for TPU
 
 TOPOLOGIES = ["v5e:2x2", "v5p:2x2x1", "v6e:2x2"]
 M, D, F, E = 512, 256, 384, 4
@@ -116,11 +118,33 @@ def test_default_tiling_compiles_on_v6e():
 
 
 def test_interpret_none_means_mosaic_only_inside_a_tpu_mesh():
-    assert resolve_interpret(None) is True  # tests run on CPU
+    assert jax.default_backend() == "cpu"  # the host of an ahead-of-time compile
+    assert pallas_interpret(None) is True
     mesh = _one_device_mesh("v5e:2x2")
     with jax.set_mesh(mesh):
-        assert resolve_interpret(None) is False
-    assert resolve_interpret(None) is True
+        assert pallas_interpret(None) is False
+        assert pallas_interpret(True) is True  # an explicit choice stands
+    assert pallas_interpret(None) is True
+
+
+def test_splash_compiles_to_mosaic_ahead_of_time_for_v5p():
+    """Splash forward + backward compiled for a v5p chip from this CPU: two Mosaic custom calls (the
+    forward and the fused backward) and no Pallas interpret-mode loop (interpret mode lowers the kernel's
+    grid to `while` loops; this program has no other loop). Names such as "splash_mha_fwd" are in the
+    HLO metadata either way, so the test counts custom calls."""
+    b, s, heads, kv_heads, hd = 1, 512, 2, 1, 128
+    q = jax.ShapeDtypeStruct((b, s, heads, hd), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((b, s, kv_heads, hd), jnp.bfloat16)
+    segments = jax.ShapeDtypeStruct((b, s), jnp.int32)
+
+    def loss_grads(q, k, v, seg):
+        loss = lambda q, k, v: jnp.sum(splash.splash_attention(q, k, v, seg).astype(jnp.float32) ** 2)
+        return jax.grad(loss, (0, 1, 2))(q, k, v)
+
+    compiled, _ = aot.compile_for_tpu(loss_grads, [q, kv, kv, segments], _one_device_mesh("v5p:2x2x1"))
+    text = compiled.as_text()
+    assert _num_mosaic_kernels(compiled) == 2
+    assert " while(" not in text
 
 
 @pytest.mark.slow  # about 45 s: Mosaic lowers the whole 2048^3 block matmul before running out of VMEM

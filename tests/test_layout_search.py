@@ -139,7 +139,7 @@ def test_cached_reports_get_program_flops_and_collectives_once(tmp_path):
     assert ls.complete_analysis(run, again, trace_fn, tmp_path).report == again.report
     assert traced == ["full", "none"]  # nothing traced again
     assert done.report.flops_accounting["remat"] == 0.0  # the fake traces equal with and without remat
-    assert "40.0 (x2.00)" in ls.table_row(done) and "50%" in ls.table_row(done)
+    assert "40.0 (x2.00)" in ls.table_row(done) and "| 50.0% |" in ls.table_row(done)
 
 
 def test_committed_layouts_are_valid_parallelism_for_their_slice():

@@ -1,9 +1,11 @@
 """Program FLOPs from the jaxpr (loops x trip count) and executed collectives from compiled HLO text,
 each against a count made by hand; and the roofline that combines them in the compile report."""
 
+import dataclasses
 import math
 
 import jax
+import numpy as np
 import jax.numpy as jnp
 import pytest
 from jax.sharding import NamedSharding
@@ -11,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 from smelt_jax.compile import aot
 from smelt_jax.compile import report as cr
+from smelt_jax.compile.hbm_traffic import hbm_bytes
 from smelt_jax.compile.hlo_stats import hlo_stats, shape_bytes
 from smelt_jax.compile.program_flops import program_flops
 from smelt_jax.model.expert_exchange import buffer_fill
@@ -99,7 +102,90 @@ def test_hlo_stats_multiplies_loop_bodies_by_their_trip_count():
     assert stats.sparsecore_offloads == 1
 
 
+# ------------------------------------------------------------------------------ HBM traffic walk
+
+
+def _cpu_compiled(fn, *shapes):
+    return jax.jit(fn).lower(*[jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes]).compile()
+
+
+def _xla_bytes(compiled) -> float:
+    cost = compiled.cost_analysis()
+    return float((cost[0] if isinstance(cost, list) else cost)["bytes accessed"])
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_walked_hbm_bytes_match_xla_cost_analysis_on_a_loop_free_program(seed):
+    # Random sizes: matmuls, a bias + gelu (fused), two reductions and a slice of a result.
+    rng = np.random.default_rng(seed)
+    b, d, f = (int(v) for v in rng.integers(8, 300, size=3))
+
+    def program(x, w1, w2, bias):
+        h = jax.nn.gelu(x @ w1 + bias)
+        y = h @ w2
+        return jnp.sum(y * y, axis=-1), jnp.max(h, axis=0), y[: b // 2, 1:]
+
+    compiled = _cpu_compiled(program, (b, d), (d, f), (f, d), (f,))
+    walked = hbm_bytes(compiled.as_text())
+    assert walked.loops == ()
+    assert walked.total == pytest.approx(_xla_bytes(compiled), rel=0.02)
+
+
+def _looped(trips):
+    def program(x, w):  # x [128, 96], w [96, 96]: a fori_loop of `trips` matmul + tanh steps
+        return jax.lax.fori_loop(0, trips, lambda i, h: jnp.tanh(h @ w), x)
+
+    return _cpu_compiled(program, (128, 96), (96, 96))
+
+
+def test_walked_hbm_bytes_multiply_a_fori_loop_body_by_its_trip_count():
+    walked = {n: hbm_bytes(_looped(n).as_text()) for n in (2, 3, 9)}
+    assert [w.loops for w in walked.values()] == [(2,), (3,), (9,)]
+    body = walked[3].total - walked[2].total  # one more iteration
+    # the body moves at least what its matmul reads and writes: h, w and the product (f32)
+    assert body >= 4 * (128 * 96 + 96 * 96 + 128 * 96)
+    assert walked[9].total == pytest.approx(walked[2].total + 7 * body)
+    # XLA's own count holds the body once: the walk of a 2-trip loop is one body more than it
+    assert walked[2].total - body == pytest.approx(_xla_bytes(_looped(2)), rel=0.02)
+
+
+MULTILINE_HLO = """HloModule m, is_scheduled=true
+
+ENTRY %main (x: f32[256]) -> f32[256] {
+  %x = f32[256]{0} parameter(0)
+  %kernel = f32[256]{0} custom-call(%x), custom_call_target="tpu_custom_call", frontend_attributes={kernel_metadata={
+  "name": "k"
+}}, metadata={op_name="k/pallas_call"}
+  %ar = f32[256]{0} all-reduce(%kernel), replica_groups={}, to_apply=%sum
+  ROOT %y = f32[256]{0} add(%ar, %x)
+}
+"""
+
+
+def test_an_instruction_spanning_lines_does_not_end_its_computation():
+    # A Mosaic kernel's metadata spans lines starting with "}": the instructions after it still count.
+    sum_computation = ("%sum (a: f32[], b: f32[]) -> f32[] {\n  %a = f32[] parameter(0)\n"
+                       "  %b = f32[] parameter(1)\n  ROOT %c = f32[] add(%a, %b)\n}\n\n")
+    text = MULTILINE_HLO.replace("ENTRY", sum_computation + "ENTRY")
+    assert hlo_stats(text).collective_counts == {"all-reduce": 1}
+    assert hbm_bytes(text).by_op == {"custom-call": 2048.0, "all-reduce": 2048.0, "add": 3072.0}
+
+
+def test_walk_charges_a_fusion_the_slices_it_reads_and_an_in_place_update_its_update():
+    def program(stack, x):  # stack [8, 64, 64]: one layer's slice read, another's updated in place
+        layer = jax.lax.dynamic_index_in_dim(stack, 3, keepdims=False)
+        return jax.lax.dynamic_update_index_in_dim(stack, jnp.tanh(x @ layer), 5, 0)
+
+    compiled = jax.jit(program, donate_argnums=0).lower(
+        jax.ShapeDtypeStruct((8, 64, 64), jnp.float32), jax.ShapeDtypeStruct((64, 64), jnp.float32)).compile()
+    walked = hbm_bytes(compiled.as_text()).total
+    stack_bytes = 8 * 64 * 64 * 4
+    assert walked < stack_bytes  # neither the slice nor the update is charged the whole stack
+    assert walked == pytest.approx(_xla_bytes(compiled), rel=0.05)
+
+
 @pytest.mark.tpu
+@pytest.mark.integration
 def test_hlo_stats_on_a_real_tpu_program_with_collectives_in_a_scan():
     available, reason = aot.libtpu_status()
     if not available:
@@ -127,6 +213,7 @@ def test_hlo_stats_on_a_real_tpu_program_with_collectives_in_a_scan():
 
 
 @pytest.mark.tpu
+@pytest.mark.integration
 def test_xla_step_estimate_counts_a_loop_body_once():
     """Why the report does not use `optimal_seconds`: a scan of 8 [4096, 4096] matmuls gets about the
     estimate of one matmul (docs/parallelism.md quotes these two numbers)."""
@@ -163,8 +250,12 @@ def test_analyse_takes_the_larger_of_compute_and_communication():
     assert report.compute_seconds == pytest.approx(200e12 / 459e12)
     assert report.comm_seconds == pytest.approx((12 * 64 + 2 * 12 * 32 + 16) / 600e9)
     assert report.comm_seconds_ragged == pytest.approx((12 * 64 + 2 * 12 * 32 + 16 * 0.125) / 600e9)
-    assert report.step_seconds == report.compute_seconds  # compute-bound
-    assert report.mfu == pytest.approx(100e12 / 200e12)
+    # the all-to-all is synchronous: exposed, after the compute-bound max
+    assert report.exchange_exposed_seconds == pytest.approx(16 / 600e9)
+    assert report.step_seconds == pytest.approx(report.compute_seconds + 16 / 600e9)
+    assert report.dominant_term == "compute"
+    assert report.hbm_traffic_bytes > 0 and report.hbm_seconds == pytest.approx(report.hbm_traffic_bytes / 2765e9)
+    assert report.mfu == pytest.approx(100e12 / (report.step_seconds * 459e12))
     assert report.sparsecore_offloads == 1
     assert math.isclose(report.as_dict()["program_ratio"], 2.0)
     ragged_hlo = SYNTHETIC_HLO.replace("all-to-all(%x.0)", "ragged-all-to-all(%x.0)")
@@ -174,6 +265,44 @@ def test_analyse_takes_the_larger_of_compute_and_communication():
     bare = cr.analyse(_report(), by_kind, None)
     assert bare.step_seconds is None and bare.mfu is None  # no collectives known: no roofline claimed
 
+
+
+def test_the_roofline_is_the_largest_term_plus_the_exposed_exchange():
+    base = dict(compute_seconds=1.0, hbm_seconds=3.0, comm_seconds=2.5, budget_flops=459e12)
+    hbm_bound = dataclasses.replace(_report(), **base, exchange_exposed_seconds=0.5)
+    assert cr.roofline_terms(hbm_bound) == (3.5, "HBM")  # ICI 2.0 overlapped, exchange 0.5 after
+    exchange_bound = dataclasses.replace(_report(), **{**base, "comm_seconds": 12.0}, exchange_exposed_seconds=10.0)
+    assert cr.roofline_terms(exchange_bound) == (13.0, "exchange")
+    assert cr.roofline_terms(dataclasses.replace(_report(), compute_seconds=1.0)) is None
+
+
+def test_an_async_exchange_with_compute_between_start_and_done_is_overlapped():
+    sync = hlo_stats(SYNTHETIC_HLO)
+    assert sync.exchange_exposed_bytes == 16  # the synchronous all-to-all
+    overlapped = SYNTHETIC_HLO.replace(
+        "  %a2a = bf16[2,4]{1,0} all-to-all(%x.0), dimensions={0}\n",
+        "  %a2as = (f32[8]{0}, bf16[2,4]{1,0}) all-to-all-start(%x.0), dimensions={0}, replica_groups=[16,4]<=[64]\n"
+        "  %f = f32[8]{0} fusion(%x.0), kind=kLoop, calls=%sum\n"
+        "  %a2a = bf16[2,4]{1,0} all-to-all-done(%a2as)\n")
+    stats = hlo_stats(overlapped)
+    assert stats.collective_bytes["all-to-all"] == 16 and stats.exchange_exposed_bytes == 0
+    assert ("all-to-all", 4, 16.0) in stats.send_bytes_by_group
+    back_to_back = overlapped.replace("  %f = f32[8]{0} fusion(%x.0), kind=kLoop, calls=%sum\n", "")
+    assert hlo_stats(back_to_back).exchange_exposed_bytes == 16  # nothing runs while it is in flight
+
+
+def test_conventional_flops_add_the_lm_head_and_causal_attention():
+    import experiments
+
+    run = next(r for r in experiments.load_suite("smoke") if r.arch == "baseline")
+    cfg = run.model
+    per_token = cr.conventional_train_flops(cfg, 1.0)
+    from smelt_jax import budget
+
+    six_n = budget.train_flops_per_token(cfg, attended_keys=0)
+    head = 6 * cfg.d_model * cfg.vocab
+    attention = 12 * cfg.executed_layers * cfg.n_heads * cfg.head_dim * cfg.seq_len / 2
+    assert per_token == pytest.approx(six_n + head + attention)
 
 
 def test_splash_flops_are_not_scaled_by_the_expert_buffer_fill():

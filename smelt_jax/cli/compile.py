@@ -1,5 +1,6 @@
-"""`smelt compile RUN_ID --topology v5p-128 [--layout data=..,fsdp=..,expert=..] [--remat P] [--json]`:
-compile a run's train step for a TPU slice on this CPU and report memory, FLOPs, collectives, MFU;
+"""`smelt compile RUN_ID --topology v5p-128 [--layout data=..,fsdp=..,expert=..] [--remat P] [--json]
+[--hlo-out FILE]`: compile a run's train step for a TPU slice on this CPU and report memory, FLOPs,
+collectives, HBM traffic, the roofline step and its MFUs (optionally writing the compiled HLO, gzipped);
 `smelt compile-report --suite S`: choose a layout for every configuration of a suite."""
 
 from __future__ import annotations
@@ -21,22 +22,24 @@ def cmd_compile(args) -> int:
     if args.exchange:
         run = dataclasses.replace(run, model=run.model.replace(expert_exchange=args.exchange))
     layout = parse_layout(args.layout, run.parallelism) if args.layout else run.parallelism
-    report = compile_run(run, args.topology, layout, remat=args.remat)
+    report = compile_run(run, args.topology, layout, remat=args.remat, hlo_path=args.hlo_out)
     print(json.dumps(report.as_dict(), indent=1) if args.json else format_report(report))
     return 0 if report.peak_fits_hbm else 1
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
-        "compile", help="AOT-compile a run's train step for a TPU slice (memory, FLOPs, MFU)",
+        "compile", help="AOT-compile a run's train step for a TPU slice (memory, FLOPs, HBM, roofline MFU)",
         description="Exit 0 when the program's peak fits in the chip's HBM, 1 when it does not.")
     p.add_argument("id", help="run id (smelt experiments list)")
     p.add_argument("--topology", required=True, help="TPU slice, e.g. v5p-128 (cores) or v5e-256")
     p.add_argument("--layout", help="mesh sizes, e.g. data=-1,fsdp=16,expert=4 (-1 fills the rest)")
     p.add_argument("--remat", choices=("none", "full", "dots", "dots_no_batch"),
                    help="rematerialisation policy (default: the layout's)")
-    p.add_argument("--exchange", choices=("padded", "ragged"),
-                   help="expert-parallel token exchange (default: the run's, 'padded')")
+    p.add_argument("--exchange", choices=("auto", "padded", "ragged"),
+                   help="expert-parallel token exchange (default: the run's, 'auto': ragged on TPU)")
+    p.add_argument("--hlo-out", metavar="FILE",
+                   help="write the compiled per-device HLO text here, gzip-compressed (e.g. step.hlo.gz)")
     p.add_argument("--json", action="store_true", help="the report as one JSON object")
     p.set_defaults(handler=cmd_compile)
     register_report(subparsers)
@@ -51,13 +54,17 @@ def cmd_compile_report(args) -> int:
     from experiments import placement
     from smelt_jax.compile import layout_search as ls
 
+    from smelt_jax.compile.checkpoint_cadence import cadence_file
+
     json_out = placement.layouts_file(args.suite) if args.json_out is None else args.json_out
+    cadence_out = cadence_file(placement.layouts_file(args.suite)) if args.cadence_out is None else args.cadence_out
     report = ls.compile_suite(
         experiments.load_suite(args.suite), placement.search_policy(args.suite), suite=args.suite,
         only=args.only or (), time_budget=args.time_budget, cached_only=args.cached_only,
         cache_dir=Path(args.cache_dir) if args.cache_dir else ls.CACHE_DIR,
         markdown_out=Path(args.out) if args.out else None, json_out=Path(json_out) if json_out else None,
         costs_out=Path(args.costs_out) if args.costs_out else None,
+        cadence_out=Path(cadence_out) if cadence_out else None,
         log=lambda line: print(line, file=sys.stderr, flush=True))
     print(report.summary())
     return 0
@@ -76,6 +83,10 @@ def register_report(subparsers) -> None:
     p.add_argument("--json-out", default=None,
                    help="layouts file (default: the suite's, experiments/layouts.json for smelt16, "
                         "experiments/layouts_SUITE.json otherwise); '' to skip")
+    p.add_argument("--cadence-out", default=None,
+                   help="checkpoint cadence file (steps between saves from the suite's interval in minutes and "
+                        "each configuration's roofline step; default beside the layouts file, "
+                        "experiments/checkpoint_cadence.json for smelt16); '' to skip")
     p.add_argument("--only", nargs="+", metavar="SCALE_OR_KEY",
                    help="compile only these scales (100m) or keys (1.6b/s97/smelt); others use the cache")
     p.add_argument("--time-budget", type=float, metavar="SECONDS",

@@ -4,7 +4,8 @@
 module walks the module's call graph itself: the ENTRY computation runs once, a `while` body runs its
 trip count times (read from its condition: `compare(get-tuple-element(param, 0), constant(N)),
 direction=LT`, the shape JAX's `scan` and `fori_loop` lower to; a loop counter starting at 0 is
-assumed), and fusions, calls and async wrappers run as often as their caller. It reports, per device:
+assumed), unless the compiler states it (`known_trip_count` in the loop's backend_config), and fusions,
+calls and async wrappers run as often as their caller. It reports, per device:
 
 - executed collectives by kind, with the bytes of their results (`*-done` for async pairs), and an
   estimate of the bytes each device sends: result bytes for all-gather / all-to-all / permutes,
@@ -13,7 +14,11 @@ assumed), and fusions, calls and async wrappers run as often as their caller. It
 - SparseCore offloads (`call-start` on the "sparsecore" thread): the TPU compiler's `optimal_seconds`
   carries -1 for each of them (measured: 6 offloads -> -5.9994 s for a program whose own estimate
   is 0.6 ms; tests/test_compile_tpu.py), which is why that estimate came back negative for every train step;
-- the `while` loops with their trip counts (None when the condition has another shape).
+- the `while` loops with their trip counts (None when the condition has another shape);
+- the bytes sent per replica-group size (the ICI term divides each by the bandwidth of the torus axes
+  such a group spans: `hardware.Slice.ici_bytes_per_second_for_group`), and the expert exchange's
+  bytes that are *exposed*: every all-to-all unless the schedule (the module's instruction order,
+  `is_scheduled=true`) runs it asynchronously with compute between its start and its done.
 """
 
 from __future__ import annotations
@@ -37,6 +42,10 @@ _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.*?) ([a-z][a-z0-9\-]*)
 _ARRAY = re.compile(r"\b(" + "|".join(sorted(DTYPE_BYTES, key=len, reverse=True)) + r")\[([\d,]*)\]")
 _CALLEE = re.compile(r"\b(condition|body|calls|to_apply|true_computation|false_computation)=%([\w.\-]+)")
 _BRANCHES = re.compile(r"\bbranch_computations=\{([^}]*)\}")
+_IOTA_GROUPS = re.compile(r"\breplica_groups=\[(\d+),(\d+)\]<=")
+_LISTED_GROUPS = re.compile(r"\breplica_groups=\{\{([\d,\s]*)\}")
+EXCHANGE_KINDS = ("all-to-all", "ragged-all-to-all")  # how the MoE layer moves tokens between devices
+_KNOWN_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +64,10 @@ class HloStats:
     send_bytes: float  # estimated bytes each device sends (SEND_FACTOR-weighted)
     sparsecore_offloads: int  # static count (each adds -1 to the compiler's optimal_seconds)
     loop_trip_counts: tuple[int | None, ...]  # one per `while` instruction, in text order
+    # (kind, replica group size or None for all devices, estimated bytes sent), executed, per device
+    send_bytes_by_group: tuple[tuple[str, int | None, float], ...] = ()
+    # bytes the expert exchange (all-to-all kinds) sends that the schedule does not overlap with compute
+    exchange_exposed_bytes: float = 0.0
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -69,10 +82,15 @@ def shape_bytes(shape: str) -> float:
 
 
 def parse_module(text: str) -> tuple[str, dict[str, list[Instruction]]]:
-    """(entry computation name, {computation name: instructions}) of an HLO module's text."""
+    """(entry computation name, {computation name: instructions}) of an HLO module's text.
+
+    An instruction may span lines (a Mosaic custom call's `kernel_metadata={...}` does, and its
+    continuation lines start with `}`): lines are continuation while the instruction's braces are
+    open, and only a line that is `}` alone, outside an instruction, closes the computation."""
     computations: dict[str, list[Instruction]] = {}
     entry = None
     current: list[Instruction] | None = None
+    open_braces = 0
     for line in text.splitlines():
         if current is None:
             header = _HEADER.match(line)
@@ -82,12 +100,16 @@ def parse_module(text: str) -> tuple[str, dict[str, list[Instruction]]]:
                     entry = name
                 current = computations.setdefault(name, [])
             continue
-        if line.startswith("}"):
+        if open_braces > 0:
+            open_braces += line.count("{") - line.count("}")
+            continue
+        if line.rstrip() == "}":
             current = None
             continue
         match = _INSTRUCTION.match(line)
         if match:
             current.append(Instruction(*match.groups()))
+            open_braces = max(line.count("{") - line.count("}"), 0)
     if entry is None:
         raise ValueError("no ENTRY computation in the HLO text")
     return entry, computations
@@ -112,9 +134,20 @@ def _callees(instruction: Instruction) -> list[tuple[str, str]]:
     return out
 
 
-def hlo_stats(text: str) -> HloStats:
-    """Executed collectives, SparseCore offloads and loop trip counts of a compiled HLO module."""
-    entry, computations = parse_module(text)
+def trip_count(instruction: Instruction, computations: dict[str, list[Instruction]]) -> int | None:
+    """Iterations of a `while` instruction: the compiler's `known_trip_count` in its backend_config,
+    else the constant its condition compares the counter against (None when neither is there)."""
+    known = _KNOWN_TRIPS.search(instruction.rest)
+    if known:
+        return int(known.group(1))
+    return _trip_count(computations.get(dict(_callees(instruction)).get("condition", ""), []))
+
+
+def execution_counts(entry: str, computations: dict[str, list[Instruction]]
+                     ) -> tuple[dict[str, float], list[int | None]]:
+    """({computation: times it runs per execution of the module}, the trip count of every `while` in
+    visiting order). ENTRY runs once; a `while` body runs its trip count times (1 when unknown) and its
+    condition once more; fusions, calls, branches and async wrappers run as often as their caller."""
     runs: dict[str, float] = defaultdict(float)
     trips: list[int | None] = []
 
@@ -126,7 +159,7 @@ def hlo_stats(text: str) -> HloStats:
             callees = _callees(instruction)
             trip = None
             if instruction.op == "while":
-                trip = _trip_count(computations.get(dict(callees).get("condition", ""), []))
+                trip = trip_count(instruction, computations)
                 trips.append(trip)
             for role, callee in callees:
                 factor = 1.0
@@ -135,12 +168,74 @@ def hlo_stats(text: str) -> HloStats:
                 visit(callee, times * factor)
 
     visit(entry, 1.0)
+    return runs, trips
+
+
+def group_size(instruction: Instruction) -> int | None:
+    """Devices in one replica group of a collective (None: every device, `replica_groups={}` or none
+    stated); a collective-permute counts 2 (each device sends to one peer)."""
+    if instruction.op.startswith("collective-permute"):
+        return 2
+    iota = _IOTA_GROUPS.search(instruction.rest)
+    if iota:
+        return int(iota.group(2))
+    listed = _LISTED_GROUPS.search(instruction.rest)
+    if listed:
+        return len([d for d in listed.group(1).split(",") if d.strip()])
+    return None
+
+
+_COMPUTE_OPS = ("fusion", "convolution", "dot", "custom-call")
+
+
+def _exchange_overlap(instructions: list[Instruction], computations: dict[str, list[Instruction]]
+                      ) -> dict[str, bool]:
+    """{name of an exchange instruction (all-to-all kinds): whether the schedule overlaps it}, for one
+    computation in schedule order. A synchronous collective is exposed; an async one (`*-start` /
+    `*-done`, or an `async-start` running one) is overlapped when compute (a fusion, convolution, dot or
+    custom call) is scheduled between its start and its done."""
+    out: dict[str, bool] = {}
+    open_starts: dict[str, int] = {}
+    for index, instruction in enumerate(instructions):
+        op = instruction.op
+        if op in EXCHANGE_KINDS:
+            out[instruction.name] = False
+        elif op.endswith("-start"):
+            kind = op.removesuffix("-start")
+            called = dict(_callees(instruction)).get("calls")
+            inner = {i.op for i in computations.get(called, ())} if called else set()
+            if kind in EXCHANGE_KINDS or inner & set(EXCHANGE_KINDS):
+                open_starts[instruction.name] = index
+        elif op.endswith("-done"):
+            start = next((n for n in re.findall(r"%([\w.\-]+)", instruction.rest.split(")", 1)[0])
+                          if n in open_starts), None)
+            if start is not None:
+                between = instructions[open_starts.pop(start) + 1:index]
+                out[start] = any(i.op in _COMPUTE_OPS for i in between)
+    return out
+
+
+def hlo_stats(text: str) -> HloStats:
+    """Executed collectives, SparseCore offloads and loop trip counts of a compiled HLO module."""
+    entry, computations = parse_module(text)
+    runs, trips = execution_counts(entry, computations)
     static: dict[str, int] = defaultdict(int)
     counts: dict[str, float] = defaultdict(float)
     result_bytes: dict[str, float] = defaultdict(float)
+    by_group: dict[tuple[str, int | None], float] = defaultdict(float)
+    exposed = 0.0
     sparsecore = 0
+    async_owner = {}  # computation run by an async-start -> (its computation, the start's name)
+    for name, instructions in computations.items():
+        for instruction in instructions:
+            if instruction.op == "async-start":
+                called = dict(_callees(instruction)).get("calls")
+                if called:
+                    async_owner[called] = (name, instruction.name)
+    overlap = {name: _exchange_overlap(instructions, computations) for name, instructions in computations.items()}
     for name, instructions in computations.items():
         times = runs.get(name, 0.0)
+        by_name = {i.name: i for i in instructions}
         for instruction in instructions:
             if instruction.op == "call-start" and 'async_execution_thread="sparsecore"' in instruction.rest:
                 sparsecore += 1
@@ -150,10 +245,21 @@ def hlo_stats(text: str) -> HloStats:
             static[kind] += 1
             if not times:
                 continue
+            source = instruction
+            if instruction.op.endswith("-done"):  # the start carries the replica groups
+                start = re.findall(r"%([\w.\-]+)", instruction.rest.split(")", 1)[0])
+                source = by_name.get(start[0], instruction) if start else instruction
+            sent = times * shape_bytes(instruction.shape)
             counts[kind] += times
-            result_bytes[kind] += times * shape_bytes(instruction.shape)
+            result_bytes[kind] += sent
+            by_group[(kind, group_size(source))] += SEND_FACTOR[kind] * sent
+            if kind in EXCHANGE_KINDS:
+                owner, start_name = async_owner.get(name, (name, source.name))
+                if not overlap.get(owner, {}).get(start_name, False):
+                    exposed += SEND_FACTOR[kind] * sent
     send = sum(SEND_FACTOR[kind] * value for kind, value in result_bytes.items())
     return HloStats(static_counts=dict(sorted(static.items())), collective_counts={k: int(round(v)) for k, v in sorted(counts.items())},
                     collective_bytes=dict(sorted(result_bytes.items())), send_bytes=send,
-                    sparsecore_offloads=sparsecore, loop_trip_counts=tuple(trips))
-
+                    sparsecore_offloads=sparsecore, loop_trip_counts=tuple(trips),
+                    send_bytes_by_group=tuple((k, g, b) for (k, g), b in sorted(by_group.items(), key=str)),
+                    exchange_exposed_bytes=exposed)

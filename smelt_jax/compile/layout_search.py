@@ -26,10 +26,12 @@ from pathlib import Path
 from typing import Any
 
 from smelt_jax.compile.candidates import Candidate, SearchPolicy, candidates
+from smelt_jax.compile.checkpoint_cadence import cadence_document, save_bytes
 from smelt_jax.compile.report import (
     ANALYSIS_VERSION,
     CompileReport,
     analyse,
+    conventional_train_flops,
     read_hlo,
     with_accounting,
 )
@@ -118,7 +120,8 @@ def complete_analysis(run: RunSpec, result: SearchResult, trace_fn: Callable[...
     hlo = hlo_path(path)
     need_flops = report.program_flops is None
     need_hlo = report.executed_collectives is None and hlo.exists()
-    stale = report.analysis_version < ANALYSIS_VERSION or report.flops_accounting is None
+    stale = (report.analysis_version < ANALYSIS_VERSION or report.flops_accounting is None
+             or report.checkpoint_bytes is None)
     if not (need_flops or need_hlo or stale):
         return result
     by_kind, fill = None, report.pallas_fill or 1.0
@@ -129,7 +132,11 @@ def complete_analysis(run: RunSpec, result: SearchResult, trace_fn: Callable[...
         devices = parse_slice(report.slice).chips
         by_kind = {kind: value * devices for kind, value in report.program_flops_by_kind.items()}
     hlo_text = read_hlo(hlo) if hlo.exists() else None
-    report = analyse(report, by_kind, hlo_text, pallas_fill=fill)
+    devices = parse_slice(report.slice).chips
+    conventional = report.conventional_flops or conventional_train_flops(
+        run.model, run.schedule.tokens_per_step / devices)
+    report = analyse(report, by_kind, hlo_text, pallas_fill=fill, conventional_flops=conventional)
+    report = dataclasses.replace(report, suite=run.suite, checkpoint_bytes=save_bytes(run))
     if report.flops_accounting is None:
         report = with_accounting(report, run, trace_fn)
     _write_cache(path, run, candidate, report)
@@ -209,8 +216,9 @@ def _tflop(value: float | None) -> str:
 TABLE_HEADER = (
     "| config | slice | layout (data x fsdp x expert x tensor) | remat | args GiB | temps GiB | out GiB "
     "| args+temps / peak / HBM GiB | TFLOP per device: budget / program (x) | program - budget, per budget FLOP "
-    "| XLA count (x) | executed collectives (GiB sent) | step >= s (compute / ICI) | MFU <= | compile s |\n"
-    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    "| XLA count (x) | executed collectives (GiB sent) | HBM GB walked | step >= s (compute / HBM / ICI + exchange) "
+    "| roofline MFU <= (budget) | roofline MFU <= (6N + head + causal attn) | compile s |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 ACCOUNTING_SHORT = {"attention_window": "window", "unembedding": "logits", "remat": "remat", "other": "other"}
@@ -232,7 +240,7 @@ def table_row(result: SearchResult) -> str:
             over = (f"arguments + temporaries {_gib((r.argument_bytes or 0) + (r.temp_bytes or 0))} GiB "
                     f"> {HBM_HEADROOM:.0%} of HBM")
             reason = f"does not fit: {(r.error or over)[:120]}"
-        return f"| {name} | {result.slice} | {reason} |" + " |" * 12
+        return f"| {name} | {result.slice} | {reason} |" + " |" * 14
     r = result.report
     lay = r.layout
     program = (f"{_tflop(r.budget_flops)} / {_tflop(r.program_flops)}"
@@ -242,33 +250,40 @@ def table_row(result: SearchResult) -> str:
         executed = f"{_collectives(r.executed_collectives)} ({(r.send_bytes or 0) / 2**30:.1f})"
     else:
         executed = f"static: {_collectives(r.collectives)} (HLO not kept)"
+    hbm = "?" if r.hbm_traffic_bytes is None else f"{r.hbm_traffic_bytes / 1e9:,.0f}"
     if r.step_seconds is not None:
         ragged = "" if r.comm_seconds_ragged is None else f"; ragged {r.comm_seconds_ragged:.2f}"
-        step = f"{r.step_seconds:.2f} ({r.compute_seconds:.2f} / {r.comm_seconds:.2f}{ragged})"
-        mfu = f"{100 * r.mfu:.0f}%" if r.mfu is not None else "?"
+        exposed = r.exchange_exposed_seconds or 0.0
+        step = (f"{r.step_seconds:.2f} ({r.compute_seconds:.2f} / {r.hbm_seconds:.2f} / "
+                f"{r.comm_seconds - exposed:.2f} + {exposed:.2f}{ragged}; {r.dominant_term})")
+        mfu = f"{100 * r.mfu:.1f}%" if r.mfu is not None else "?"
+        mfu_conventional = f"{100 * r.mfu_conventional:.1f}%" if r.mfu_conventional is not None else "?"
     else:
-        step = "?" if r.compute_seconds is None else f"? ({r.compute_seconds:.2f} / ?)"
-        mfu = "?"
+        step = "?" if r.compute_seconds is None else f"? ({r.compute_seconds:.2f} / ? / ?)"
+        mfu = mfu_conventional = "?"
     return (f"| {name} | {r.slice} | {lay['data']} x {lay['fsdp']} x {lay['expert']} x {lay['tensor']} "
             f"| {r.remat} | {_gib(r.argument_bytes)} | {_gib(r.temp_bytes)} | {_gib(r.output_bytes)} "
             f"| {_gib((r.argument_bytes or 0) + (r.temp_bytes or 0))} / {_gib(r.peak_bytes)} / "
-            f"{_gib(r.hbm_bytes)} | {program} | {_accounting(r)} | {xla} | {executed} | {step} | {mfu} "
+            f"{_gib(r.hbm_bytes)} | {program} | {_accounting(r)} | {xla} | {executed} | {hbm} | {step} | {mfu} "
+            f"| {mfu_conventional} "
             f"| {r.compile_seconds:.0f} |")
 
 
-def _roofline_terms(results: list[SearchResult]) -> tuple[str, str]:
-    """('459 TFLOP/s', '600 GB/s ICI') from the hardware table when every result is on one chip."""
+def _roofline_terms(results: list[SearchResult]) -> tuple[str, str, str]:
+    """('459 TFLOP/s', '2765 GB/s HBM', '200 GB/s ICI per torus axis') from the hardware table when every
+    result is on one chip."""
     chips = {parse_slice(r.slice).chip for r in results}
     if len(chips) != 1:
-        return "chip peak", "chip ICI bandwidth"
+        return "chip peak", "chip HBM bandwidth", "chip ICI bandwidth per torus axis"
     chip = chips.pop()
-    return f"{chip.peak_flops / 1e12:.0f} TFLOP/s", f"{chip.ici_bytes_per_second / 1e9:.0f} GB/s ICI"
+    return (f"{chip.peak_flops / 1e12:.0f} TFLOP/s", f"{chip.hbm_bytes_per_second / 1e9:,.0f} GB/s HBM",
+            f"{chip.ici_bytes_per_second / chip.torus_dims / 1e9:.0f} GB/s ICI per torus axis")
 
 
 def render_table(results: Iterable[SearchResult], command: str) -> str:
     results = list(results)
     fitted = sum(r.status == "fits" for r in results)
-    peak, ici = _roofline_terms(results)
+    peak, hbm, ici = _roofline_terms(results)
     intro = (f"Generated by `{command}` (`make compile-report`): {fitted} of {len(results)} "
              "configurations compiled and fit. Per-device numbers from the TPU compiler's program "
              "(compiled, never run). **budget** = train_flops_per_token x tokens per step / chips; "
@@ -280,9 +295,13 @@ def render_table(results: Iterable[SearchResult], command: str) -> str:
              "**remat**: recomputation, measured by tracing with remat none; **other**: the rest, mostly Pallas "
              "tile padding); **XLA count** = `cost_analysis()` FLOPs, which count each "
              "loop body once (not a work measure). **Executed collectives** per step with loops x trip "
-             "count, and the GiB each device sends (all-reduce twice its size). **step >=** = "
-             f"max(program FLOPs / {peak}, GiB sent / {ici}): a roofline lower bound, so "
-             "**MFU <=** (budget FLOPs / (step x peak)) is an upper bound; 'ragged' projects the ICI time "
+             "count, and the GiB each device sends (all-reduce twice its size). **HBM GB walked**: operands + "
+             "results of every top-level op of the per-device HLO, loops x trip count (docs/roofline.md). "
+             f"**step >=** = max(program FLOPs / {peak}, HBM bytes / {hbm}, bytes sent / ({ici} x the axes "
+             "each collective's group spans)) + the expert exchange where the schedule does not overlap it, "
+             "and the term that sets it: a roofline lower bound, so both **roofline MFU <=** are upper "
+             "bounds: budget FLOPs (the paper's convention) or 6N + LM head + causal attention (MaxText's), "
+             "over step x peak; 'ragged' projects the ICI time "
              "if the expert all-to-alls sent only their filled rows (shown for padded programs only). "
              "Fit = compiler accepted, peak "
              f"< HBM, and arguments + temporaries <= {HBM_HEADROOM:.0%} of HBM.")
@@ -322,7 +341,8 @@ class SuiteReport:
 def compile_suite(runs: Sequence[RunSpec], policy: SearchPolicy, *, suite: str,
                   only: Iterable[str] = (), time_budget: float | None = None, cached_only: bool = False,
                   cache_dir: Path = CACHE_DIR, markdown_out: Path | None = None,
-                  json_out: Path | None = None, costs_out: Path | None = None, command: str | None = None,
+                  json_out: Path | None = None, costs_out: Path | None = None,
+                  cadence_out: Path | None = None, command: str | None = None,
                   compile_fn: Callable[..., CompileReport] | None = None,
                   trace_fn: Callable[..., Any] | None = None,
                   libtpu: tuple[bool, str] | None = None,
@@ -333,8 +353,9 @@ def compile_suite(runs: Sequence[RunSpec], policy: SearchPolicy, *, suite: str,
     reported 'not compiled (why)') when libtpu is unavailable, with `cached_only`, for a configuration
     outside `only` (scales or layout keys), or once `time_budget` seconds have passed. Reports cached
     before program FLOPs and collectives were recorded get them (`complete_analysis`). Writes the
-    markdown table section of `markdown_out`, the layouts file `json_out` and the pair-cost section of
-    `costs_out` (`compile.pair_cost`) when given.
+    markdown table section of `markdown_out`, the layouts file `json_out`, the pair-cost section of
+    `costs_out` (`compile.pair_cost`) and the checkpoint cadence file `cadence_out`
+    (`compile.checkpoint_cadence`) when given.
     """
     from smelt_jax.compile import aot, report
 
@@ -384,6 +405,10 @@ def compile_suite(runs: Sequence[RunSpec], policy: SearchPolicy, *, suite: str,
                                          COST_BEGIN, COST_END))
         log(f"wrote {out}")
         written.append(out)
+    if cadence_out:
+        Path(cadence_out).write_text(cadence_document(runs, in_order, suite))
+        log(f"wrote {cadence_out}")
+        written.append(Path(cadence_out))
     if json_out:
         Path(json_out).write_text(layouts_document(in_order, suite))
         log(f"wrote {json_out}")

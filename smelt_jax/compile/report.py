@@ -13,9 +13,13 @@ program and its peak is within HBM. Whether a layout is *kept* also asks for hea
 Why not the compiler's own step time: XLA's `optimal_seconds` counts each `while` body once (the
 decoder scans its layers) and adds -1 for every SparseCore offload, so it came back negative for every
 train step (docs/parallelism.md, "What the numbers mean"). The estimate here is a roofline from the
-compiled program: max(program FLOPs / chip peak, bytes sent by the executed collectives / ICI
-bandwidth), a lower bound on the step time (so the MFU is an upper bound): it assumes every matmul
-runs at peak and communication overlaps compute.
+compiled program (docs/roofline.md): max(program FLOPs / chip peak, HBM bytes walked from the per-device
+HLO / HBM bandwidth, bytes sent by the executed collectives / the ICI bandwidth of the torus axes each
+spans), plus the expert exchange's ICI time where the schedule does not overlap it. It is a lower bound
+on the step time (so both MFUs are upper bounds): every matmul at peak, every byte moved once at full
+bandwidth, the overlappable terms fully overlapped. Two MFUs, both "roofline MFU": the paper budget's
+FLOPs (6 N_exec + 400 attended keys) and the conventional numerator (6 N_exec + the LM head + causal
+attention, as MaxText reports).
 """
 
 from __future__ import annotations
@@ -30,8 +34,9 @@ import jax
 
 from smelt_jax import budget as budget_lib
 from smelt_jax import sharding
-from smelt_jax.compile import aot
-from smelt_jax.compile.hlo_stats import hlo_stats
+from smelt_jax.compile import aot, checkpoint_cadence
+from smelt_jax.compile.hbm_traffic import hbm_bytes
+from smelt_jax.compile.hlo_stats import COLLECTIVE_KINDS, EXCHANGE_KINDS, hlo_stats
 from smelt_jax.compile.program_flops import ProgramFlops, program_flops
 from smelt_jax.descriptors import Parallelism, RunSpec
 from smelt_jax.hardware import Slice, parse_slice
@@ -74,7 +79,19 @@ class CompileReport:
     # "ragged"), i.e. all-to-all bytes x pallas_fill. None for a program that is ragged already.
     comm_seconds_ragged: float | None = None
     analysis_version: int = 0  # ANALYSIS_VERSION of `analyse` when these derived fields were computed
-    step_seconds: float | None = None  # roofline: max(compute_seconds, comm_seconds)
+    # roofline: max(compute_seconds, hbm_seconds, comm_seconds - exchange_exposed_seconds)
+    #           + exchange_exposed_seconds
+    step_seconds: float | None = None
+    hbm_traffic_bytes: float | None = None  # per device per step, walked from the HLO (`hbm_traffic`)
+    hbm_seconds: float | None = None  # hbm_traffic_bytes / chip HBM bandwidth
+    exchange_exposed_seconds: float | None = None  # the expert exchange's ICI time not overlapped
+    # per device: 6 N_exec + LM head + causal attention (12 L q_width seq/2) per token x tokens / chips,
+    # the convention MaxText reports MFU in
+    conventional_flops: float | None = None
+    mfu_conventional: float | None = None  # conventional_flops / (step_seconds * chip peak)
+    dominant_term: str | None = None  # 'compute', 'HBM', 'ICI' or 'exchange': what sets step_seconds
+    checkpoint_bytes: int | None = None  # one save: parameters + Adam state, whole model
+    suite: str | None = None  # the run's suite: its checkpoint interval (`checkpoint_cadence`)
 
     @property
     def flops_ratio(self) -> float | None:
@@ -95,22 +112,29 @@ class CompileReport:
 
 
 # Bump when `analyse` derives its fields differently: cached reports are then re-analysed (no recompile).
-ANALYSIS_VERSION = 1
+ANALYSIS_VERSION = 2
 
 
 def analyse(report: CompileReport, program_flops_by_kind: dict[str, float] | None, hlo_text: str | None,
-            pallas_fill: float = 1.0) -> CompileReport:
-    """`report` with the program's FLOPs, the executed collectives of its compiled HLO (when given), and
-    the roofline step time with the MFU it implies.
+            pallas_fill: float = 1.0, conventional_flops: float | None = None) -> CompileReport:
+    """`report` with the program's FLOPs, the HBM traffic and executed collectives of its compiled HLO
+    (when given), and the roofline step time with the two MFUs it implies.
 
     `program_flops_by_kind` is the whole program's (all devices; divided here by the device count).
     Pallas kernels enter at `pallas_fill` x their cost estimate: the estimate counts every row of the
     expert-parallel receive buffer, the kernels only compute the rows that carry tokens
-    (`model.expert_exchange.buffer_fill`).
+    (`model.expert_exchange.buffer_fill`). `conventional_flops` (per device; default: the report's)
+    is the numerator of the conventional MFU (`conventional_train_flops`).
+
+    The step bound (docs/roofline.md): compute = program FLOPs / peak; HBM = walked bytes / HBM
+    bandwidth; ICI = bytes sent per collective / the bandwidth of the torus axes its group spans. The
+    expert exchange is on the critical path (added after the max) unless the schedule overlaps it.
     """
     tpu = parse_slice(report.slice)
     devices = tpu.chips
     fields: dict[str, Any] = {}
+    if conventional_flops is not None:
+        fields["conventional_flops"] = conventional_flops
     if program_flops_by_kind is not None:
         per_device = {kind: value / devices for kind, value in program_flops_by_kind.items()}
         executed = executed_flops(per_device, pallas_fill)
@@ -121,19 +145,57 @@ def analyse(report: CompileReport, program_flops_by_kind: dict[str, float] | Non
         # A ragged all-to-all's result is its whole receive buffer; only the filled rows travel.
         ragged = stats.collective_bytes.get("ragged-all-to-all", 0.0)
         send = stats.send_bytes - ragged * (1.0 - pallas_fill)
-        padded_a2a = stats.collective_bytes.get("all-to-all", 0.0)
+
+        def ici_seconds(kinds=COLLECTIVE_KINDS, filled=("ragged-all-to-all",)) -> float:
+            """Seconds the collectives of `kinds` take, those of `filled` sending only filled rows."""
+            return sum(sent * (pallas_fill if kind in filled else 1.0)
+                       / tpu.ici_bytes_per_second_for_group(group or devices)
+                       for kind, group, sent in stats.send_bytes_by_group if kind in kinds)
+
+        exchange_raw = sum(sent for kind, _, sent in stats.send_bytes_by_group if kind in EXCHANGE_KINDS)
+        exposed = (ici_seconds(EXCHANGE_KINDS) * stats.exchange_exposed_bytes / exchange_raw
+                   if exchange_raw else 0.0)
+        ici = ici_seconds()
+        traffic = hbm_bytes(hlo_text).total
         fields.update(collectives=stats.static_counts, executed_collectives=stats.collective_counts,
                       collective_bytes=stats.collective_bytes,
                       send_bytes=send, sparsecore_offloads=stats.sparsecore_offloads,
-                      comm_seconds=send / tpu.ici_bytes_per_second,
+                      comm_seconds=ici, exchange_exposed_seconds=exposed,
+                      hbm_traffic_bytes=traffic, hbm_seconds=traffic / tpu.hbm_bytes_per_second,
                       comm_seconds_ragged=None if ragged else
-                      (send - padded_a2a * (1.0 - pallas_fill)) / tpu.ici_bytes_per_second)
+                      ici_seconds(filled=EXCHANGE_KINDS))
     report = dataclasses.replace(report, **fields, analysis_version=ANALYSIS_VERSION)
-    if report.compute_seconds is not None and report.comm_seconds is not None:
-        step = max(report.compute_seconds, report.comm_seconds)
+    terms = roofline_terms(report)
+    if terms is not None:
+        step, dominant = terms
         mfu = report.budget_flops / (step * tpu.peak_flops) if report.budget_flops else None
-        report = dataclasses.replace(report, step_seconds=step, mfu=mfu)
+        conventional = (report.conventional_flops / (step * tpu.peak_flops)
+                        if report.conventional_flops else None)
+        report = dataclasses.replace(report, step_seconds=step, mfu=mfu, mfu_conventional=conventional,
+                                     dominant_term=dominant)
     return report
+
+
+def roofline_terms(report: CompileReport) -> tuple[float, str] | None:
+    """(step seconds >=, the term that sets it) from a report's compute, HBM and ICI seconds: the
+    overlappable terms run concurrently (their max), the exposed expert exchange after them. None
+    until all three are known."""
+    if report.compute_seconds is None or report.comm_seconds is None or report.hbm_seconds is None:
+        return None
+    exposed = report.exchange_exposed_seconds or 0.0
+    overlapped = {"compute": report.compute_seconds, "HBM": report.hbm_seconds,
+                  "ICI": max(report.comm_seconds - exposed, 0.0)}
+    dominant = max(overlapped, key=overlapped.get)
+    step = overlapped[dominant] + exposed
+    return step, ("exchange" if exposed > overlapped[dominant] else dominant)
+
+
+def conventional_train_flops(cfg, tokens_per_device: float) -> float:
+    """Per device, per step: 6 N_exec + the LM head (2 d vocab x 3) + causal attention (12 L_exec
+    q_width x seq/2), the numerator MaxText's MFU uses (the budget's convention counts 400 keys and
+    no LM head)."""
+    return budget_lib.train_flops_per_token(cfg, attended_keys=cfg.seq_len / 2,
+                                            include_unembedding=True) * tokens_per_device
 
 
 # The backends a TPU run uses (expert FFN, expert exchange, attention), decided as the TPU would run them
@@ -159,6 +221,7 @@ class _Program:
     in_shardings: tuple
     out_shardings: tuple
     budget_flops: float  # per device
+    conventional_flops: float  # per device (`conventional_train_flops`)
 
 
 def _program(run: RunSpec, slice_name: str, layout: Parallelism | None, remat: str | None) -> _Program:
@@ -180,7 +243,8 @@ def _program(run: RunSpec, slice_name: str, layout: Parallelism | None, remat: s
     return _Program(
         tpu=tpu, mesh=mesh, cfg=cfg, remat=remat, step=make_train_step(plan.graphdef, cfg, tx),
         args=(params, opt_state, batch, lr), in_shardings=in_shardings, out_shardings=out_shardings,
-        budget_flops=budget_lib.train_flops_per_token(cfg) * schedule.tokens_per_step / mesh.size)
+        budget_flops=budget_lib.train_flops_per_token(cfg) * schedule.tokens_per_step / mesh.size,
+        conventional_flops=conventional_train_flops(cfg, schedule.tokens_per_step / mesh.size))
 
 
 ACCOUNTING_TERMS = ("budget", "attention_window", "unembedding", "remat", "other")
@@ -225,7 +289,8 @@ def compile_run(run: RunSpec, slice_name: str, layout: Parallelism | None = None
     """
     program = _program(run, slice_name, layout, remat)
     tpu, cfg = program.tpu, program.cfg
-    base = {"run_id": run.id, "slice": slice_name, "layout": dict(program.mesh.shape), "remat": program.remat,
+    base = {"run_id": run.id, "suite": run.suite, "slice": slice_name, "layout": dict(program.mesh.shape),
+            "remat": program.remat,
             "expert_impl": cfg.expert_impl, "hbm_bytes": tpu.hbm_bytes}
     start = time.perf_counter()
     try:
@@ -241,11 +306,13 @@ def compile_run(run: RunSpec, slice_name: str, layout: Parallelism | None = None
         write_hlo(hlo_path, hlo_text)
     report = CompileReport(
         **base, peak_fits_hbm=peak is None or peak <= tpu.hbm_bytes, error=None,
+        checkpoint_bytes=checkpoint_cadence.save_bytes(run),
         compile_seconds=summary.compile_seconds, argument_bytes=summary.argument_bytes,
         output_bytes=summary.output_bytes, temp_bytes=summary.temp_bytes, peak_bytes=peak,
         compiled_flops=summary.flops, budget_flops=program.budget_flops,
         optimal_seconds=summary.optimal_seconds)
-    report = analyse(report, summary.program_flops, hlo_text, pallas_fill=_pallas_fill(program))
+    report = analyse(report, summary.program_flops, hlo_text, pallas_fill=_pallas_fill(program),
+                     conventional_flops=program.conventional_flops)
     return with_accounting(report, run, trace_program_flops)
 
 
@@ -325,12 +392,26 @@ def format_report(report: CompileReport) -> str:
         lines.append(f"  executed per step: {report.executed_collectives}, "
                      f"{(report.send_bytes or 0) / 2**30:.2f} GiB sent per device; "
                      f"{report.sparsecore_offloads} SparseCore offloads")
+    if report.hbm_traffic_bytes is not None:
+        lines.append(f"  HBM traffic walked from the HLO (operands + results of every top-level op, loops x "
+                     f"trip count): {report.hbm_traffic_bytes / 1e9:.1f} GB per device per step")
     if report.step_seconds is not None:
-        lines.append(f"  roofline step >= {report.step_seconds:.3f} s (compute {report.compute_seconds:.3f} s, "
-                     f"ICI {report.comm_seconds:.3f} s) -> MFU <= {100 * (report.mfu or 0):.1f}%")
+        exposed = report.exchange_exposed_seconds or 0.0
+        lines.append(f"  roofline step >= {report.step_seconds:.4g} s = max(compute {report.compute_seconds:.4g} s, "
+                     f"HBM {report.hbm_seconds:.4g} s, ICI {report.comm_seconds - exposed:.4g} s) "
+                     f"+ exposed expert exchange {exposed:.4g} s; dominant: {report.dominant_term}")
+        conventional = "?" if report.mfu_conventional is None else f"{100 * report.mfu_conventional:.1f}%"
+        lines.append(f"  roofline MFU <= {100 * (report.mfu or 0):.1f}% (paper budget FLOPs), "
+                     f"roofline MFU <= {conventional} (6N + LM head + causal attention, as MaxText)")
     if report.comm_seconds_ragged is not None:
         lines.append(f"  projected ICI with expert_exchange='ragged' (all-to-all bytes x fill "
                      f"{report.pallas_fill:.3f}): {report.comm_seconds_ragged:.3f} s")
+    if report.checkpoint_bytes is not None:
+        chosen = checkpoint_cadence.cadence(report.suite or "", report.step_seconds)
+        every = ("no interval set for this suite: the trainer's --checkpoint-every" if chosen is None else
+                 f"every {chosen[1]:,} steps = {chosen[0]:g} min at the roofline step")
+        lines.append(f"  checkpoint: {report.checkpoint_bytes / 1e9:.1f} GB per save (parameters + Adam state); "
+                     f"{every}")
     lines.append(f"  XLA optimal_seconds {report.optimal_seconds} (each loop body once, -1 per SparseCore "
                  "offload: not a step time)")
     return "\n".join(lines)

@@ -17,6 +17,8 @@ Rules:
   `ragged_dot`, XLA's partitionable grouped matmul.
 - The expert exchange `auto` is `ragged` (`jax.lax.ragged_all_to_all`: only the filled rows travel) on
   TPU and GPU, and `padded` on CPU, whose XLA lacks ragged-all-to-all.
+- Pallas kernels run interpreted or compile to Mosaic by the target being traced for
+  (`pallas_interpret`), never by `jax.default_backend()`, which is the CPU during an ahead-of-time compile.
 - Attention `auto` is `splash` (Pallas splash attention, causal block skipping: `kernels/splash.py`) on
   TPU for a full forward whose row length is a multiple of its blocks, and `reference` (the masked dense
   `model.attention.dot_product_attention`, the test oracle) everywhere else.
@@ -62,6 +64,21 @@ def _platform(platform: str | None) -> str:
 
         platform = jax.default_backend()
     return _PLATFORM_ALIASES.get(platform, platform)
+
+
+def pallas_interpret(interpret: bool | None = None) -> bool:
+    """Whether a Pallas kernel traced now runs in interpret mode. An explicit bool is returned as is;
+    None means: Mosaic (False) when tracing for a TPU, interpret (True) otherwise.
+
+    "Tracing for a TPU" is read from the compile target, not from `jax.default_backend()`: the abstract
+    mesh's device kind under `jax.set_mesh(mesh)` (the compile-only devices of an ahead-of-time topology
+    included), else the default device's (a TPU host). Every Pallas kernel of the project asks this.
+    """
+    if interpret is not None:
+        return bool(interpret)
+    from jax.experimental.pallas import tpu as pltpu
+
+    return not pltpu.is_tpu_device()
 
 
 def choose_expert_exchange(requested: str, platform: str | None = None) -> str:

@@ -26,7 +26,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from smelt_jax.kernels.backend import choose_expert_backend
+from smelt_jax.kernels.backend import choose_expert_backend, pallas_interpret
 from smelt_jax.kernels.rows import mask_rows, row_expert_ids, swiglu
 from smelt_jax.kernels.tiled import tiled_expert_ffn
 
@@ -56,8 +56,7 @@ def _ragged_dot(x, w_gate, w_up, w_down, group_sizes):
 def _megablox(x, w_gate, w_up, w_down, group_sizes, *, interpret: bool | None = None):
     from jax.experimental.pallas.ops.tpu.megablox import gmm
 
-    if interpret is None:
-        interpret = jax.default_backend() != "tpu"
+    interpret = pallas_interpret(interpret)
     m, d_model = x.shape
     ffn = w_gate.shape[-1]
     row_tile = min(MEGABLOX_ROW_TILE, -(-m // 8) * 8)

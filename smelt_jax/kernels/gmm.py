@@ -36,6 +36,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from smelt_jax.kernels.backend import pallas_interpret
+
 Tiling = tuple[int, int, int]
 
 # Row tiles are multiples of 16 (bf16 packs 16 rows per vreg); k and n tiles multiples of 128 (lanes).
@@ -63,18 +65,6 @@ def tpu_generation() -> str | None:
     kind = pltpu.get_tpu_info().chip_version
     return {pltpu.ChipVersion.TPU_V5E: "v5e", pltpu.ChipVersion.TPU_V5P: "v5p",
             pltpu.ChipVersion.TPU_V6E: "v6e"}.get(kind, "other")
-
-
-def resolve_interpret(interpret: bool | None) -> bool:
-    """interpret=None means: compile with Mosaic when tracing for a TPU, interpret otherwise.
-
-    "Tracing for a TPU" is true on a TPU host and inside `jax.set_mesh(mesh)` over TPU devices, including
-    the compile-only devices of an ahead-of-time topology (`smelt_jax.aot`); Pallas reads the device kind
-    from the abstract mesh first, then from the default device.
-    """
-    if interpret is None:
-        return not pltpu.is_tpu_device()
-    return bool(interpret)
 
 
 def default_tiling() -> Tiling:
@@ -483,7 +473,7 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, tiling: Seque
     mp, kp, np_ = _round_up(m, tm), _round_up(k, tk), _round_up(n, tn)
     dtype = jnp.promote_types(lhs.dtype, rhs.dtype)
     out = _gmm_aligned(pad_to(lhs.astype(dtype), (mp, kp)), pad_to(rhs.astype(dtype), (rhs.shape[0], kp, np_)),
-                       group_sizes, (tm, tk, tn), resolve_interpret(interpret))
+                       group_sizes, (tm, tk, tn), pallas_interpret(interpret))
     return out[:m, :n].astype(lhs.dtype)
 
 
@@ -509,5 +499,5 @@ def tgmm(lhs: jax.Array, grad: jax.Array, group_sizes: jax.Array, *, tiling: Seq
     dtype = jnp.promote_types(lhs.dtype, grad.dtype)
     (out,) = grouped_transposed_call(pad_to(lhs.astype(dtype), (mp, kp)), [pad_to(grad.astype(dtype), (mp, np_))],
                                      group_sizes, out_dtype=lhs.dtype, tiling=(tm, tk, tn),
-                                     interpret=resolve_interpret(interpret))
+                                     interpret=pallas_interpret(interpret))
     return out[:, :k, :n]

@@ -6,7 +6,7 @@
 The up-projection is the fused SwiGLU kernel (gate and up read together, pre-activations kept in VMEM);
 the down-projection is the grouped matmul. Both are differentiable (custom_vjp kernels for the backward).
 interpret=None compiles with Mosaic when tracing for a TPU (a TPU host, or inside `jax.set_mesh` over TPU
-devices, as in ahead-of-time compilation) and interprets otherwise; see gmm.resolve_interpret.
+devices, as in ahead-of-time compilation) and interprets otherwise; see kernels.backend.pallas_interpret.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from collections.abc import Sequence
 
 import jax
 
-from smelt_jax.kernels.gmm import check_group_sizes, gmm, resolve_interpret
+from smelt_jax.kernels.backend import pallas_interpret
+from smelt_jax.kernels.gmm import check_group_sizes, gmm
 from smelt_jax.kernels.swiglu import grouped_swiglu
 
 
@@ -32,6 +33,6 @@ def pallas_expert_ffn(x_sorted: jax.Array, w_gate: jax.Array, w_up: jax.Array, w
     if w_down.shape != (num_experts, f, d):
         raise ValueError(f"w_down must have shape {(num_experts, f, d)}; got {w_down.shape}")
     check_group_sizes(group_sizes, num_experts)
-    interpret = resolve_interpret(interpret)
+    interpret = pallas_interpret(interpret)
     hidden = grouped_swiglu(x_sorted, w_gate, w_up, group_sizes, tiling=tiling, interpret=interpret)
     return gmm(hidden, w_down, group_sizes, tiling=tiling, interpret=interpret)

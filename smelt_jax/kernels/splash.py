@@ -16,7 +16,10 @@ test oracle (tests/test_attention_splash.py). Which one runs is decided by
   input dtype; the scores are computed with float32 accumulation, as in the reference.
 - Mosaic kernels cannot be partitioned by GSPMD: under a mesh the call runs in a `shard_map`, batch split
   as the activations are (the `batch` rule) and heads over `tensor` when both head counts divide.
-- Off TPU the kernel runs in Pallas interpret mode (slow: tests only).
+- The backward's residuals are named `RESIDUALS_NAME` (`checkpoint_name`): remat policies that keep
+  dots keep them too, so the forward kernel runs once per step (`model.layer.REMAT_POLICIES`).
+- Off TPU the kernel runs in Pallas interpret mode (slow: tests only); whether it does is read from the
+  compile target (`kernels.backend.pallas_interpret`), so an ahead-of-time TPU compile gets Mosaic.
 """
 
 from __future__ import annotations
@@ -26,16 +29,19 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
 from jax.sharding import PartitionSpec as P
 
 from smelt_jax import sharding
 from smelt_jax.errors import UsageError
-from smelt_jax.kernels.backend import SPLASH_SEQ_MULTIPLE
+from smelt_jax.kernels.backend import SPLASH_SEQ_MULTIPLE, pallas_interpret
 
 BLOCKS = (512, 256, 128)  # the largest that divides the row length is used (one size for every block)
 KERNEL_PREFIX = "splash_"  # splash's pallas_call names: splash_{mha,mqa}_{fwd,dq,dkv}...
+RESIDUALS_NAME = "splash_residuals"  # checkpoint_name of what the backward kernel reads (remat policies)
 
 
 def block_size(seq_len: int) -> int:
@@ -78,14 +84,39 @@ def _local_attention(q, k, v, segment_ids, *, interpret: bool):
     return jax.vmap(one_row)(q, k, v, segment_ids.astype(jnp.int32))
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _attention_with_named_residuals(q, k, v, segment_ids, interpret: bool):
+    """`_local_attention` whose backward residuals (what the kernel's forward saves: q, k, v, the output
+    and its logsumexp) are tagged `checkpoint_name(., RESIDUALS_NAME)`, so a remat policy can keep them
+    (`model.layer.REMAT_POLICIES`) instead of running the forward kernel again in the backward pass:
+    `checkpoint_dots` alone sees a Pallas call, not a dot, and recomputes it."""
+    return _local_attention(q, k, v, segment_ids, interpret=interpret)
+
+
+def _named_fwd(q, k, v, segment_ids, interpret):
+    out, vjp = jax.vjp(lambda q, k, v: _local_attention(q, k, v, segment_ids, interpret=interpret), q, k, v)
+    return out, (jax.tree.map(lambda r: checkpoint_name(r, RESIDUALS_NAME), vjp), segment_ids)
+
+
+def _named_bwd(interpret, residuals, grad_out):
+    del interpret
+    vjp, segment_ids = residuals
+    return (*vjp(grad_out), np.zeros(segment_ids.shape, jax.dtypes.float0))
+
+
+_attention_with_named_residuals.defvjp(_named_fwd, _named_bwd)
+
+
 def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *,
                      interpret: bool | None = None) -> jax.Array:
     """Segment-causal GQA attention: q [b, s, heads, hd], k and v [b, s, kv_heads, hd] (heads a multiple
     of kv_heads), segment_ids [b, s] (0 = padding: it attends to padding only) -> [b, s, heads, hd] in
-    q's dtype. `interpret` None = Mosaic on TPU, Pallas interpret mode elsewhere."""
-    if interpret is None:
-        interpret = jax.default_backend() != "tpu"
-    body = functools.partial(_local_attention, interpret=interpret)
+    q's dtype. `interpret` None = Mosaic when tracing for a TPU (an ahead-of-time compile included),
+    Pallas interpret mode elsewhere (`kernels.backend.pallas_interpret`)."""
+    interpret = pallas_interpret(interpret)
+    # The output is named too: the next matmul's backward reads it (else the forward kernel reruns for it).
+    body = lambda q, k, v, seg: checkpoint_name(  # noqa: E731
+        _attention_with_named_residuals(q, k, v, seg, interpret), RESIDUALS_NAME)
     mesh = sharding.current_mesh()
     if mesh is None or mesh.size == 1:
         return body(q, k, v, segment_ids)

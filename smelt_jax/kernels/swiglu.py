@@ -29,8 +29,8 @@ from smelt_jax.kernels.gmm import (
     grouped_matmul_call,
     grouped_transposed_call,
     pad_to,
-    resolve_interpret,
 )
+from smelt_jax.kernels.backend import pallas_interpret
 
 
 def _swiglu_epilogue(accumulators, row_inputs):
@@ -107,6 +107,6 @@ def grouped_swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, group_sizes
     h = _swiglu_aligned(pad_to(x.astype(dtype), (mp, dp)),
                         pad_to(w_gate.astype(dtype), (num_groups, dp, fp)),
                         pad_to(w_up.astype(dtype), (num_groups, dp, fp)),
-                        group_sizes, (tm, tk, tn), resolve_interpret(interpret))
+                        group_sizes, (tm, tk, tn), pallas_interpret(interpret))
     return h[:m, :f].astype(x.dtype)
 

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from smelt_jax.config import ModelConfig
+from smelt_jax.kernels import splash
 from smelt_jax.model.attention import Attention
 from smelt_jax.model.moe import MoE
 from smelt_jax.model.norm import RMSNorm
@@ -20,10 +21,15 @@ from smelt_jax.sharding import constrain
 # 1024 fits a 4-shot Dyck prompt in bytes).
 CAPTURE_ATTENTION_MAX_KEYS = 1024
 
+_policies = jax.checkpoint_policies
+_SPLASH_RESIDUALS = _policies.save_only_these_names(splash.RESIDUALS_NAME)
 REMAT_POLICIES = {
     "full": None,  # save nothing: recompute the layer in the backward pass
-    "dots": jax.checkpoint_policies.checkpoint_dots,
-    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # Keep the matmul outputs and splash attention's residuals (a Pallas call is not a dot: without its
+    # name the backward pass would run the attention forward kernel again).
+    "dots": _policies.save_from_both_policies(_policies.checkpoint_dots, _SPLASH_RESIDUALS),
+    "dots_no_batch": _policies.save_from_both_policies(_policies.dots_with_no_batch_dims_saveable,
+                                                       _SPLASH_RESIDUALS),
 }
 
 

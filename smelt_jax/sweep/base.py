@@ -148,10 +148,15 @@ def job_paths(graph: JobGraph, job: Job, settings: CloudSettings) -> dict[str, s
 
 
 def trainer_command(job: Job, settings: CloudSettings) -> list[str]:
-    """The trainer on a TPU slice: the layout the run's placement chose pinned by flags, and the token
-    store of `settings.data_dir` (none: the embedded corpus)."""
+    """The trainer on a TPU slice: the layout the run's placement chose pinned by flags, the token
+    store of `settings.data_dir` (none: the embedded corpus), and the checkpoint cadence the compile
+    report chose for the suite's interval in minutes (`compile.checkpoint_cadence`; none listed: the
+    trainer's default)."""
+    from smelt_jax.compile.checkpoint_cadence import checkpoint_args
+
     data = ["--data-dir", settings.data_dir] if settings.data_dir else []
-    return ["python", "-m", "smelt_jax", *job.train_args(), *data, *layout_args(job.run)]
+    return ["python", "-m", "smelt_jax", *job.train_args(), *data, *layout_args(job.run),
+            *checkpoint_args(job.run)]
 
 
 def data_problem(graph: JobGraph, settings: CloudSettings) -> str | None:
