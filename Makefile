@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 TPU_STAMP := $(VENV)/.tpu-installed
 export PYTHONHASHSEED := 0
 
-.PHONY: help install install-tpu test test-slow demo bench lint fits notebooks compile-report clean
+.PHONY: help install install-tpu test test-integration test-slow demo bench lint fits notebooks compile-report clean
 
 help:  ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-16s %s\n", $$1, $$2}'
@@ -29,9 +29,12 @@ $(TPU_STAMP): $(STAMP) requirements/tpu.txt
 
 install-tpu: $(TPU_STAMP)  ## add libtpu (TPU ahead-of-time compilation on CPU)
 
-test: $(STAMP)  ## the test suite (fast tests; installs what it needs)
+test: $(STAMP)  ## the fast test suite (installs what it needs)
 	@$(MAKE) --no-print-directory $(TPU_STAMP) || true
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not slow and not integration"
+
+test-integration: $(STAMP) $(TPU_STAMP)  ## real processes, races, packaging, quick start, multihost, TPU compiles
+	$(PY) -m pytest -q -m "integration and not slow"
 
 test-slow: $(STAMP) $(TPU_STAMP)  ## the slow tests only
 	$(PY) -m pytest -q -m slow

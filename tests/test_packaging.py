@@ -25,6 +25,9 @@ print(json.dumps({"file": smelt_jax.__file__,
 """
 
 
+pytestmark = pytest.mark.integration  # real processes and packaging: `make test-integration`
+
+
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("wheel")

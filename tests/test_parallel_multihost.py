@@ -10,6 +10,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import pytest
 
 from smelt_jax import sharding
 from smelt_jax.config import ModelConfig, Schedule
@@ -25,6 +26,9 @@ SCHEDULE = Schedule(batch_size=8, seq_len=32, stable_steps=4, fork_steps=(4,), d
 OPTIONS = TrainOptions(log_every=1, checkpoint_every=4, eval_tokens=256, eval_batch_size=4,
                        progress=False, peak_flops=1e12)
 REPO = Path(__file__).resolve().parents[1]
+
+
+pytestmark = pytest.mark.integration  # two real processes: `make test-integration`
 
 
 def micro_run() -> RunSpec:

@@ -35,6 +35,9 @@ PLACEHOLDERS = ("PROJECT", "PROJECT_NUMBER", "BILLING_ACCOUNT", "REGION", "ZONE"
 COMMAND_TIMEOUT = 60
 
 
+pytestmark = pytest.mark.integration  # real processes and packaging: `make test-integration`
+
+
 def blocks() -> list[tuple[str, list[str]]]:
     """(info string, commands) per fenced block; a command joins its backslash continuations."""
     found = []
