@@ -97,11 +97,11 @@ def estimate_eval(cfg, corpus=None, *, seq_len: int, eval_tokens: int | None, dy
                   dyck_examples: int, max_len: int | None, batch_size: int,
                   rate: float | None = None) -> EvalEstimate:
     """What evaluate_model(model of `cfg`, corpus, ...) with these arguments will run and cost.
-    rate: the device's FLOP/s (default: trainer.peak_flops_per_device, a measured matmul on CPU)."""
+    rate: the device's FLOP/s (default: train.mfu.peak_flops_per_device, a measured matmul on CPU)."""
     from smelt_jax.budget import forward_flops_per_token, params_total
 
     if rate is None:
-        from smelt_jax.train.trainer import peak_flops_per_device
+        from smelt_jax.train.mfu import peak_flops_per_device
         rate = peak_flops_per_device()[0]
     n_validation = validation_batches(corpus, seq_len=seq_len, eval_tokens=eval_tokens,
                                       batch_size=batch_size)
