@@ -61,6 +61,12 @@ def placement_for(run: RunSpec):
     return placement(run)
 
 
+def layouts_file(suite: str):
+    """The suite's layouts file (`experiments.placement.layouts_file`): where its compiled files live."""
+    from experiments.placement import layouts_file as where
+    return where(suite)
+
+
 def register() -> None:
     """Fill the library's suite registry (`smelt_jax.suites`) with these suites."""
     import sys

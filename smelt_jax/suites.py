@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Protocol
 from smelt_jax.errors import SmeltError
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from smelt_jax.descriptors import Parallelism, RunSpec
 
 
@@ -27,6 +29,7 @@ class SuiteSource(Protocol):
     def load_suite(self, name: str) -> tuple[RunSpec, ...]: ...
     def find_run(self, run_id: str) -> RunSpec: ...
     def placement_for(self, run: RunSpec) -> Parallelism: ...
+    def layouts_file(self, suite: str) -> Path: ...
 
 
 _SOURCE: SuiteSource | None = None
@@ -55,3 +58,8 @@ def find_run(run_id: str) -> RunSpec:
 
 def placement_for(run: RunSpec) -> Parallelism:
     return source().placement_for(run)
+
+
+def layouts_file(suite: str) -> Path:
+    """Where the suite's compiled layouts (and the files beside them) live."""
+    return source().layouts_file(suite)

@@ -299,7 +299,7 @@ def test_estimate_flags_the_old_defaults_on_a_smoke_model():
     under 1 GB; the old one (Dyck at 0/1/4/32 shots, 4096 tokens) at several GB and far longer."""
     import experiments
     from smelt_jax.analysis.eval_estimate import estimate_eval
-    cfg = experiments.find_run("smoke-xs-s85-baseline-e0d473e7").model
+    cfg = experiments.find_run("smoke-xs-s85-baseline-4e0a0a85").model
     new = estimate_eval(cfg, seq_len=256, eval_tokens=16_384, dyck_shots=(), dyck_examples=64,
                         max_len=None, batch_size=8, rate=5e10)
     old = estimate_eval(cfg, seq_len=256, eval_tokens=16_384, dyck_shots=ev.DEFAULT_DYCK_SHOTS,

@@ -84,6 +84,7 @@ def test_user_errors_still_are_the_builtin_exceptions():
 
 DOMAIN_ERRORS = [
     ("smelt_jax.config", "ConfigError"), ("smelt_jax.matching", "MatchError"),
+    ("smelt_jax.checkpoint_format", "CheckpointAccessError"),
     ("smelt_jax.sweep.local", "SweepError"), ("smelt_jax.sweep.base", "MissingTool"),
     ("smelt_jax.train.lock", "LockHeld"), ("smelt_jax.train.checkpoint", "CheckpointError"),
     ("smelt_jax.data.hf_tokenizer", "TokenizerError"), ("smelt_jax.data.token_store", "StoreError"),

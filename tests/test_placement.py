@@ -39,8 +39,9 @@ def test_every_rendered_job_uses_the_layout_tables_slice_and_layout(suite):
         command = pod["containers"][0]["command"]
         tpu = parse_slice(want.tpu_type)
         assert manifest["metadata"]["annotations"]["smelt-jax/tpu-type"] == want.tpu_type
-        assert pod["nodeSelector"] == {"cloud.google.com/gke-tpu-accelerator": tpu.gke_accelerator,
-                                       "cloud.google.com/gke-tpu-topology": tpu.shape}
+        selector = {k: v for k, v in pod["nodeSelector"].items() if k != "cloud.google.com/gke-spot"}
+        assert selector == {"cloud.google.com/gke-tpu-accelerator": tpu.gke_accelerator,
+                            "cloud.google.com/gke-tpu-topology": tpu.shape}  # plus the capacity's
         assert spec["parallelism"] == tpu.hosts
         got = parse_layout(_flag(command, "--layout"))
         assert (got.data, got.fsdp, got.expert, got.tensor) == (want.data, want.fsdp, want.expert,

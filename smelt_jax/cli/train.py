@@ -70,6 +70,8 @@ def cmd_train(args) -> int:
         from smelt_jax.data.corpus import open_dataset
         corpus = open_dataset(args.data_dir)
     enable_compilation_cache()  # global JAX configuration: the entry point's, not the trainer's
+    from smelt_jax.train.checkpoint import quiet_failed_save_noise
+    quiet_failed_save_noise()  # from the start, as before: a failed save's noise comes before its report
     from smelt_jax.train.report import finish_lines
     runs_dir_flag = f"--runs-dir {args.runs_dir}" if args.runs_dir else ""
     try:

@@ -82,9 +82,9 @@ def checkpoint_args(run, path: Path | None = None) -> list[str]:
     """['--checkpoint-every', N] from the run's suite cadence file (default: beside its layouts file),
     or [] when the file or the run's entry is missing."""
     if path is None:
-        from experiments.placement import layouts_file  # the suites' files live with the suites
+        from smelt_jax import suites  # the suites' files live with the suites (experiments/)
 
-        path = cadence_file(layouts_file(run.suite))
+        path = cadence_file(suites.layouts_file(run.suite))
     if not Path(path).exists():
         return []
     entry = json.loads(Path(path).read_text()).get("runs", {}).get(run_key(run))

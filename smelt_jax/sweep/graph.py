@@ -33,7 +33,7 @@ from smelt_jax.checkpoint_format import checkpoint_damage, committed_steps
 from smelt_jax.rundir import results_dir, run_dir, runs_root
 from smelt_jax import storage
 from smelt_jax.storage import as_path
-from smelt_jax.errors import UnknownName
+from smelt_jax.errors import UnknownName, UsageError
 
 # JobSet names child Jobs `<jobset>-<replicated job>-<index>` and Pods add `-<index>-<5 chars>`, all
 # within 63 characters; xpk also caps workload names. 40 leaves room for both.
@@ -158,7 +158,11 @@ def build_graph(runs: Sequence[RunSpec]) -> JobGraph:
 
 def suite_graph(suite: str) -> JobGraph:
     from smelt_jax import suites  # the descriptors live at the top of the repository (experiments/)
-    return build_graph(suites.load_suite(suite))
+    runs = suites.load_suite(suite)
+    if not runs:
+        raise UsageError(f"suite {suite!r} has no runs yet (e.g. `nano` waits for the learning rates "
+                         "its `nanolr` sweep fixes: docs/nano.md)")
+    return build_graph(runs)
 
 
 # Artifacts -------------------------------------------------------------------------------------
