@@ -20,10 +20,11 @@ delete_slice() {
 cleanup() {  # EXIT trap: stop the ssh, delete the slice if it is still there, keep the exit code
   rc=$?
   trap - EXIT INT TERM HUP
-  if [ -n "$child" ]; then
-    kill "$child" 2>/dev/null
-    wait "$child" 2>/dev/null
-  fi
+  # the ssh by its pid, and every background job: a signal can land between `ssh &` and `child=$!`
+  for pid in $child $(jobs -p); do
+    kill "$pid" 2>/dev/null
+  done
+  wait 2>/dev/null
   if [ "$(state)" != MISSING ]; then
     echo "$QR: deleting the slice (exit $rc)" >&2
     delete_slice || echo "$QR: could not delete the slice; delete it by hand:" \
