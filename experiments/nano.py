@@ -47,8 +47,14 @@ LR_HORIZON = 1e6
 # architectures, d96 best at 3e-3 for both.
 LR_EXTENSION = {("baseline", 24): 2.4e-2, ("smelt", 24): 2.4e-2, ("baseline", 96): 1.5e-3,
                 ("smelt", 96): 1.5e-3}
-# Peak rate per (arch, width), by the rule of docs/nano.md: None until the `nanolr` sweep has run.
-PEAK_LR: dict[tuple[str, int], float] | None = None
+# The best rate per (arch, width) of the finished `nanolr` sweep (fits/nano/lr_sweep.csv, 16 endpoints,
+# one seed; docs/results-nano.md). The d96 Baseline is best at the extension 1.5e-3, the lowest rate run:
+# the rule takes it (one edge step, then the choice is final).
+LR_BEST = {("baseline", 24): 6e-3, ("baseline", 96): 1.5e-3, ("smelt", 24): 1.2e-2, ("smelt", 96): 3e-3}
+# Peak rate per (arch, width): lr_rule(LR_BEST), written out (tests/test_nano.py recomputes both from the csv).
+PEAK_LR: dict[tuple[str, int], float] | None = {
+    ("baseline", 24): 6e-3, ("baseline", 40): 3.6e-3, ("baseline", 64): 2.3e-3, ("baseline", 96): 1.5e-3,
+    ("smelt", 24): 1.2e-2, ("smelt", 40): 7.2e-3, ("smelt", 64): 4.5e-3, ("smelt", 96): 3e-3}
 
 
 def scale_name(width: int) -> str:

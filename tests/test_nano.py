@@ -91,3 +91,16 @@ def test_lr_rule_interpolates_a_power_law_between_the_measured_widths():
     slope = math.log(3e-3 / 1.2e-2) / math.log(4)  # -1
     assert rule["baseline", 40] == pytest.approx(float(f"{1.2e-2 * (40 / 24) ** slope:.2g}"))
     assert rule["smelt", 64] == 6e-3
+
+
+def test_peak_rates_are_the_rule_applied_to_the_committed_sweep():
+    """PEAK_LR is what the pre-registered rule gives on fits/nano/lr_sweep.csv (best = lowest loss)."""
+    import pandas as pd
+    from pathlib import Path
+    table = pd.read_csv(Path(__file__).parents[1] / "fits" / "nano" / "lr_sweep.csv")
+    assert len(table) == len(_runs()) and set(table["run_id"]) == {r.id for r in _runs()}
+    best = {(arch, int(width)): float(group.loc[group["val_loss"].idxmin(), "peak_lr"])
+            for (arch, width), group in table.groupby(["arch", "width"])}
+    assert best == nano.LR_BEST
+    assert nano.PEAK_LR == nano.lr_rule(best)
+    assert len(nano.build()) == 2 * len(nano.WIDTHS) + 2
