@@ -324,8 +324,9 @@ def check_name(ref: Ref) -> str | None:
     return None
 
 
-def _all_refs() -> list[Ref]:
-    return [ref for doc in DOCS for ref in extract(doc)]
+@functools.cache
+def _all_refs() -> tuple[Ref, ...]:
+    return tuple(ref for doc in DOCS for ref in extract(doc))
 
 
 def _problems(refs: list[Ref]) -> list[str]:
