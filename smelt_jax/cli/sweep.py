@@ -186,7 +186,7 @@ def register(subparsers) -> None:
                                           "writes the commands; --submit runs them for the ready jobs.")
     _common(submit, backend_required=True, runs_jobs=True, submits=True)
     submit.set_defaults(handler=cmd_submit)
-    status = verbs.add_parser("status", help="pending/ready/running/done/failed counts",
+    status = verbs.add_parser("status", help="pending/ready/running/done/failed/damaged counts",
                               description="Job statuses read from the runs root, and endpoint counts.")
     _common(status, backend_required=False, runs_jobs=False, submits=False)
     status.add_argument("--all", action="store_true", help="one line per job")
@@ -202,7 +202,8 @@ def register(subparsers) -> None:
                                     description="One row per finished endpoint, per suite.")
     results_verbs = results.add_subparsers(dest="verb", metavar="VERB", required=True)
     collect = results_verbs.add_parser("collect", help="append endpoint rows missing from the store")
-    collect.add_argument("--suite", help="only this suite (required for gs:// roots)")
+    collect.add_argument("--suite", help="only this suite (default: every suite under the runs root, "
+                                              "local or gs://)")
     collect.add_argument("--runs-dir", help="runs root: a local path or gs://... (default $SMELT_RUNS_DIR or ./runs)")
     collect.set_defaults(handler=cmd_collect)
     export = results_verbs.add_parser("export", help="write a suite's endpoint rows as fits/SUITE/results.csv",

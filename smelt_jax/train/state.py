@@ -11,7 +11,8 @@ shardings and with donation. The trainer, the compile tools and evaluation all b
 
 Parameters carry logical axis names (`smelt_jax.sharding.param`); `smelt_jax.sharding` resolves them
 to mesh axes. Optimizer moments are placed like their parameters, step counts replicated; batches
-split their rows over ('data', 'fsdp').
+split their rows over ('data', 'fsdp', 'expert') (the `batch` rule of
+`smelt_jax.sharding.LOGICAL_AXIS_RULES`).
 """
 
 from __future__ import annotations
