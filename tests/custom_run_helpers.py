@@ -29,3 +29,30 @@ def write_spec_file(path: Path, spec: dict) -> Path:
     else:
         path.write_text(json.dumps(spec, indent=1))
     return path
+
+
+def skip_training(monkeypatch) -> list:
+    """`train` runs everything up to the step loop (data choice and checks, lock, run.json) and stops
+    there: the phases it would train are appended to the returned list. No compile: milliseconds."""
+    from smelt_jax.train import trainer
+    phases: list = []
+
+    def train_to_end(phase, ckpt):
+        ckpt.close()
+        phases.append(phase)
+        return {"run_id": phase.run.id, "branch": phase.branch, "step": phase.end, "status": "done"}
+
+    monkeypatch.setattr(trainer, "_train_to_end", train_to_end)
+    return phases
+
+
+def saved_run(root: Path, run: RunSpec, data: dict | None = None) -> Path:
+    """A run folder as a trainer leaves it: run.json (with `data` when given)."""
+    from smelt_jax.rundir import run_dir
+    rd = run_dir(run.suite, run.id, root)
+    rd.root.mkdir(parents=True, exist_ok=True)
+    record = {**run.to_dict(), "metadata": {}}
+    if data is not None:
+        record["data"] = data
+    rd.spec_file.write_text(json.dumps(record))
+    return rd.spec_file
