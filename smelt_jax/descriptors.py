@@ -24,9 +24,10 @@ _NAME = re.compile(r"^[a-z0-9][a-z0-9.]*$")
 TOKENIZER_KINDS = ("", "bytes", "hf")
 
 
-# `RunSpec.from_dict`: keys `to_dict` derives from the rest (read, never trusted) and the defaults of
+# `RunSpec.from_dict`: keys derived from the rest (`to_dict`'s id and budget) or added by the trainer
+# to run.json (metadata, data), ignored so that a run.json is a config file too; and the defaults of
 # the keys a config file may leave out.
-DERIVED_KEYS = ("id", "budget")
+DERIVED_KEYS = ("id", "budget", "metadata", "data")
 SPEC_DEFAULTS = {"suite": "custom", "scale": "custom", "sparsity_label": "custom", "arch": "custom"}
 
 
@@ -153,7 +154,7 @@ class RunSpec:
         """The run `to_dict` (or a config file) describes. A config file needs only the model (`model`,
         or `config` as `to_dict` names it) and `schedule`; `control` defaults to the model itself
         (sparsity measured against itself: 0), `pair_id` to SUITE-SCALE-SPARSITY, the names to
-        SPEC_DEFAULTS. The derived keys (`id`, `budget`) are ignored: the id follows from the content.
+        SPEC_DEFAULTS. The derived keys (DERIVED_KEYS) are ignored: the id follows from the content.
         Anything else unknown, or a value of the wrong type, is a ConfigError naming the field."""
         if not isinstance(data, dict):
             raise ConfigError(f"a run spec is a mapping of fields, got {type(data).__name__}")

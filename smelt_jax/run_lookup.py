@@ -26,14 +26,11 @@ from smelt_jax.descriptors import RunSpec
 from smelt_jax.errors import AmbiguousName, MissingInput, UnknownName, UsageError
 from smelt_jax.rundir import runs_root
 
-RECORD_KEYS = ("metadata", "data")  # what the trainer adds to RunSpec.to_dict in run.json
-
-
 def spec_from_record(record: dict, where, folder_id: str | None = None) -> RunSpec:
-    """The RunSpec a run.json describes (its trainer's additions dropped); `folder_id`: the id the
-    folder is named after, which the spec must give again."""
+    """The RunSpec a run.json describes (`RunSpec.from_dict` ignores what the trainer added);
+    `folder_id`: the id the folder is named after, which the spec must give again."""
     try:
-        run = RunSpec.from_dict({k: v for k, v in record.items() if k not in RECORD_KEYS})
+        run = RunSpec.from_dict(record)
     except ConfigError as err:
         raise ConfigError(f"{where}: {err}") from None
     for expected in {record.get("id"), folder_id} - {None}:

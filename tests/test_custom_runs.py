@@ -16,7 +16,7 @@ from smelt_jax.config import ConfigError
 from smelt_jax.descriptors import RunSpec
 from smelt_jax.errors import UnknownName
 from smelt_jax.rundir import run_dir
-from tests.custom_run_helpers import TINY_SPEC, tiny_run, write_spec_file
+from tests.custom_run_helpers import TINY_SPEC, skip_training, tiny_run, write_spec_file
 
 
 @pytest.fixture(scope="module")
@@ -77,38 +77,65 @@ def test_unreadable_config_files_are_one_line(tmp_path, capsys, text, message):
     assert "not both" in capsys.readouterr().err
 
 
-def test_config_run_is_found_by_every_command(tmp_path, store, capsys):
+def test_config_run_is_saved_and_found_by_every_command(tmp_path, store, capsys, monkeypatch):
+    phases = skip_training(monkeypatch)
     runs = tmp_path / "runs"
     path = write_spec_file(tmp_path / "run.yaml", TINY_SPEC)
     run = tiny_run()
     assert _train("--config", str(path), "--runs-dir", str(runs), "--data-dir", store.root) == 0
-    saved = json.loads(run_dir(run.suite, run.id, runs).spec_file.read_text())
-    assert saved["id"] == run.id and RunSpec.from_dict(saved) == run
+    rd = run_dir(run.suite, run.id, runs)
+    saved = json.loads(rd.spec_file.read_text())
+    assert saved["id"] == run.id and RunSpec.from_dict(saved) == run  # run.json is the spec
     prefix = run.id[:len("custom-tiny-s50-smelt-") + 3]
     assert run_lookup.find_run(prefix, runs) == run
     with pytest.raises(UnknownName, match="no run with id"):
         run_lookup.find_run("custom-nothing", runs)
-    with pytest.raises(UnknownName, match="no run with id"):
-        run_lookup.find_run(prefix)  # another runs root: not there
+    with pytest.raises(UnknownName, match="nor is it saved under"):
+        run_lookup.find_run(prefix, tmp_path / "elsewhere")
+    # smelt train: by prefix, a branch
     assert _train(prefix, "--branch", "0", "--runs-dir", str(runs)) == 0
+    assert (phases[-1].run, phases[-1].branch) == (run, 0)
+    # smelt eval / smelt analyze: their run-folder lookup
+    from smelt_jax.analysis.evaluate import _find_run_root
+    assert _find_run_root(prefix, runs) == (rd.root, None, None)
+    # smelt results collect --run PREFIX
+    from smelt_jax.train.endpoint import write_endpoint
+    write_endpoint(run, 0, {"overall": 2.5, "code": 2.0}, root=runs, rd=rd)
+    for name in ("results.parquet", "results.csv"):
+        (runs / run.suite / name).unlink()
     capsys.readouterr()
     assert main(["results", "collect", "--run", prefix, "--runs-dir", str(runs)]) == 0
-    assert "custom: 1 endpoints" in capsys.readouterr().out
-    from smelt_jax.analysis.evaluate import load_model
-    loaded = load_model(prefix, 0, root=runs)
-    assert loaded.run["id"] == run.id and loaded.step == 4
+    assert "custom: 1 endpoints, 1 rows appended" in capsys.readouterr().out
+    # smelt experiments list / show
     assert main(["experiments", "list", "--runs-dir", str(runs)]) == 0
     out = capsys.readouterr().out
     assert run.id in out and "1 saved run under" in out
+    assert main(["experiments", "list", "--suite", "custom", "--runs-dir", str(runs)]) == 0
+    assert capsys.readouterr().out.count("custom-tiny") == 1
     assert main(["experiments", "show", prefix, "--runs-dir", str(runs)]) == 0
     assert json.loads(capsys.readouterr().out)["id"] == run.id
 
 
-def test_override_run_is_saved_and_found(tmp_path, store):
+@pytest.mark.integration
+def test_config_run_trains_and_evaluates_end_to_end(tmp_path, store):
+    """The tiny run trained for real (compiles: ~20-60 s on a busy 2-core CPU), found by prefix."""
+    runs = tmp_path / "runs"
+    path = write_spec_file(tmp_path / "run.yaml", TINY_SPEC)
+    run = tiny_run()
+    prefix = run.id[:len("custom-tiny-s50-smelt-") + 3]
+    assert _train("--config", str(path), "--runs-dir", str(runs), "--data-dir", store.root) == 0
+    assert _train(prefix, "--branch", "0", "--runs-dir", str(runs)) == 0
+    from smelt_jax.analysis.evaluate import load_model
+    loaded = load_model(prefix, 0, root=runs)
+    assert loaded.run["id"] == run.id and loaded.step == 4
+
+
+def test_override_run_is_saved_and_found(tmp_path, store, monkeypatch):
+    skip_training(monkeypatch)
     runs = tmp_path / "runs"
     path = write_spec_file(tmp_path / "run.json", TINY_SPEC)
     assert _train("--config", str(path), "--override", "schedule.seed=7", "--runs-dir", str(runs),
-                  "--data-dir", store.root, "--stop-after", "1") == 42
+                  "--data-dir", store.root) == 0
     from smelt_jax.overrides import apply_overrides
     run = apply_overrides(tiny_run(), ["schedule.seed=7"])
     assert run.id != tiny_run().id and run_dir(run.suite, run.id, runs).spec_file.is_file()

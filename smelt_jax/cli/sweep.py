@@ -109,7 +109,7 @@ def cmd_cancel(args) -> int:
 @filesystem_errors
 def cmd_collect(args) -> int:
     from smelt_jax.sweep.collect import collect
-    reports = collect(args.runs_dir, [args.suite] if args.suite else None)
+    reports = collect(args.runs_dir, [args.suite] if args.suite else None, run_id=args.run)
     for report in reports:
         if report.set_aside:
             print(f"{report.suite}: the damaged results table was set aside as {report.set_aside} and rebuilt")
@@ -207,6 +207,8 @@ def register(subparsers) -> None:
     results_verbs = results.add_subparsers(dest="verb", metavar="VERB", required=True)
     collect = results_verbs.add_parser("collect", help="append endpoint rows missing from the store")
     collect.add_argument("--suite", help="only this suite (required for gs:// roots)")
+    collect.add_argument("--run", metavar="ID", help="only this run: an id or unique prefix, a suite's "
+                                                     "or one saved under the runs root (local roots)")
     collect.add_argument("--runs-dir", help="runs root: a local path or gs://... (default $SMELT_RUNS_DIR or ./runs)")
     collect.set_defaults(handler=cmd_collect)
     export = results_verbs.add_parser("export", help="write a suite's endpoint rows as fits/SUITE/results.csv",
