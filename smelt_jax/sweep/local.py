@@ -381,8 +381,9 @@ def run_suite_locally(suite: str, *, root: Path | None = None, parallel: int = 1
                       command: Sequence[str] | None = None,
                       progress: bool = True, data_dir: str | None = None) -> dict[str, JobStatus]:
     """Trains a whole suite here (stable runs, then their decay branches, rows in the results store) on
-    the token store `data_dir` (default: each run's own); resumes where a previous call stopped. Returns when every job is done; raises `SweepError`
-    naming the failed jobs and their logs otherwise."""
+    the token store `data_dir` (default: each run's own); resumes where a previous call stopped.
+    Returns when every job is done; raises `SweepError` naming the failed jobs and their logs
+    otherwise."""
     graph = suite_graph(suite)
     settings = LocalSettings(root=root, parallel=parallel, progress=progress, data_dir=data_dir,
                              command=tuple(command) if command else DEFAULT_COMMAND)
