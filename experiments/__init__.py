@@ -15,7 +15,7 @@ import functools
 import importlib
 
 from smelt_jax.descriptors import RunSpec
-from smelt_jax.errors import UnknownName
+from smelt_jax.errors import AmbiguousName, UnknownName
 
 # suite -> (module of this package, builder function). A module that fails to import is an error
 # (with its traceback), never an "unknown suite".
@@ -47,7 +47,7 @@ def find_run(run_id: str) -> RunSpec:
         return matches[0]
     if matches:
         shown = ", ".join(run.id for run in matches[:6]) + (", ..." if len(matches) > 6 else "")
-        raise UnknownName(f"{run_id!r} is the start of {len(matches)} run ids ({shown}); give more of it")
+        raise AmbiguousName(f"{run_id!r} is the start of {len(matches)} run ids ({shown}); give more of it")
     ids = [run.id for run in (runs if suite in SUITE_NAMES else
                                [r for name in SUITE_NAMES for r in load_suite(name)])]
     near = difflib.get_close_matches(run_id, ids, n=3, cutoff=0.5)

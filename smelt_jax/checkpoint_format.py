@@ -9,8 +9,11 @@ and evaluation all read checkpoints through this module.
     <phase>/checkpoints/<step>.orbax-checkpoint-tmp*  a save that never committed (local only)
     <phase>/checkpoints/<step>.damaged[.n]/           a damaged step the trainer moved aside (kept)
 
-A step's `metadata` item is a JSON dict holding at least `step` and `data_step` (the data position);
-its `state` item holds the arrays (`params`, `opt_state`). Checkpoints written before the trainer kept
+A step's `metadata` item (`<step>/metadata/metadata`, read without JAX by `step_metadata`) is a JSON
+dict holding at least `step` and `data_step` (the data position), and from the trainer `run_id`,
+`branch`, `data_digest` and `tokenizer_sha256` (the token store's digest and its tokenizer's sha256:
+`smelt_jax.run_data`; absent in older checkpoints); its `state` item holds the arrays (`params`,
+`opt_state`). Checkpoints written before the trainer kept
 one `TrainState` have this same layout: they restore unchanged.
 
 Locally orbax commits a step by renaming its temporary folder, so a plain integer folder name means
@@ -166,6 +169,18 @@ def damaged_checkpoints(checkpoint_dir) -> list[Path]:
     if not Path(checkpoint_dir).is_dir():
         return []
     return sorted(p for p in Path(checkpoint_dir).iterdir() if DAMAGED_SUFFIX in p.name)
+
+
+METADATA_FILE = "metadata/metadata"  # orbax's file of the `metadata` item (JsonSave)
+
+
+def step_metadata(checkpoint_dir, step: int) -> dict | None:
+    """The `metadata` item of a committed step as a dict; None when it has none or it does not parse."""
+    try:
+        data = json.loads(storage.read_text(storage.join(checkpoint_dir, str(step), METADATA_FILE)))
+    except (FileNotFoundError, ValueError, UnicodeDecodeError):
+        return None
+    return data if isinstance(data, dict) else None
 
 
 # Checksums ---------------------------------------------------------------------------------------------

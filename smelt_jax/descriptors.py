@@ -9,6 +9,7 @@ never share one.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from typing import Any
 
@@ -21,6 +22,53 @@ _NAME = re.compile(r"^[a-z0-9][a-z0-9.]*$")
 # model's vocabulary; "bytes" the embedded byte-level tokenizer; "hf" a Hugging Face tokenizer.json
 # (e.g. a byte-level BPE from `smelt data tokenizer train`) of exactly `model.vocab` ids.
 TOKENIZER_KINDS = ("", "bytes", "hf")
+
+
+# `RunSpec.from_dict`: keys derived from the rest (`to_dict`'s id and budget) or added by the trainer
+# to run.json (metadata, data), ignored so that a run.json is a config file too; and the defaults of
+# the keys a config file may leave out.
+DERIVED_KEYS = ("id", "budget", "metadata", "data")
+SPEC_DEFAULTS = {"suite": "custom", "scale": "custom", "sparsity_label": "custom", "arch": "custom"}
+
+
+def _type_problem(annotation: str, value) -> str | None:
+    """Why `value` does not fit a config field annotated `annotation` (int, float, str, float | None,
+    tuple[int, ...]), or None."""
+    if value is None and "None" in annotation:
+        return None
+    base = annotation.split("|")[0].strip()
+    if base == "int" and (isinstance(value, bool) or not isinstance(value, int)):
+        return "an integer"
+    if base == "float" and (isinstance(value, bool) or not isinstance(value, (int, float))
+                            or not math.isfinite(value)):
+        return "a finite number"
+    if base == "str" and not isinstance(value, str):
+        return "a string"
+    if base.startswith("tuple") and not (isinstance(value, (list, tuple)) and all(
+            isinstance(v, int) and not isinstance(v, bool) for v in value)):
+        return "a list of integers"
+    return None
+
+
+def _section(cls, data, where: str):
+    """`cls.from_dict(data)` (or `cls(**data)`) with every value type-checked first: ConfigError naming
+    `where` and the field."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a mapping of fields, got {type(data).__name__}")
+    fields = {f.name: str(f.type) for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields) - {"remat"})
+    if unknown:
+        raise ConfigError(f"{where}: unknown field(s) {unknown}; known: {', '.join(fields)}")
+    for name, value in data.items():
+        problem = _type_problem(fields[name], value) if name in fields else None
+        if problem:
+            raise ConfigError(f"{where}.{name}: expected {problem}, got {value!r}")
+    try:
+        return cls.from_dict(data) if hasattr(cls, "from_dict") else cls(**data)
+    except ConfigError as err:
+        raise ConfigError(f"{where}: {err}") from None
+    except (TypeError, ValueError, ArithmeticError) as err:
+        raise ConfigError(f"{where}: {' '.join(str(err).split())}") from None
 
 
 class DataMismatch(UsageError):
@@ -100,6 +148,45 @@ class RunSpec:
 
     def budget(self) -> budget_lib.Budget:
         return budget_lib.budget(self.model, control=self.control)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "RunSpec":
+        """The run `to_dict` (or a config file) describes. A config file needs only the model (`model`,
+        or `config` as `to_dict` names it) and `schedule`; `control` defaults to the model itself
+        (sparsity measured against itself: 0), `pair_id` to SUITE-SCALE-SPARSITY, the names to
+        SPEC_DEFAULTS. The derived keys (DERIVED_KEYS) are ignored: the id follows from the content.
+        Anything else unknown, or a value of the wrong type, is a ConfigError naming the field."""
+        if not isinstance(data, dict):
+            raise ConfigError(f"a run spec is a mapping of fields, got {type(data).__name__}")
+        if "model" in data and "config" in data:
+            raise ConfigError("give the model as `model` or as `config`, not both")
+        data = {("model" if k == "config" else k): v for k, v in data.items() if k not in DERIVED_KEYS}
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - fields)
+        if unknown:
+            raise ConfigError(f"RunSpec: unknown field(s) {unknown}; known: {', '.join(sorted(fields))}")
+        for name in ("model", "schedule"):
+            if name not in data:
+                raise ConfigError(f"RunSpec: the {name} is missing")
+        values = {**SPEC_DEFAULTS, **data}
+        for name in ("suite", "scale", "sparsity_label", "arch", "pair_id", "variant", "tokenizer"):
+            if name in values and not isinstance(values[name], str):
+                raise ConfigError(f"RunSpec.{name}: expected a string, got {values[name]!r}")
+        values["model"] = _section(ModelConfig, values["model"], "RunSpec.model")
+        values["schedule"] = _section(Schedule, values["schedule"], "RunSpec.schedule")
+        values["control"] = (_section(ModelConfig, values["control"], "RunSpec.control")
+                             if "control" in values else values["model"])
+        values.setdefault("pair_id", f"{values['suite']}-{values['scale']}-{values['sparsity_label']}")
+        if "parallelism" in values:
+            values["parallelism"] = _section(Parallelism, values["parallelism"], "RunSpec.parallelism")
+        try:
+            run = cls(**values)
+            run.budget()
+        except ConfigError:
+            raise
+        except (TypeError, ValueError, ArithmeticError) as err:
+            raise ConfigError(f"RunSpec: {' '.join(str(err).split())}") from None
+        return run
 
     def to_dict(self) -> dict[str, Any]:
         b = self.budget()

@@ -27,5 +27,9 @@ class UnknownName(SmeltError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+class AmbiguousName(UnknownName):
+    """A prefix that starts several ids (or names): the message lists some; give more of it."""
+
+
 class MissingInput(SmeltError, FileNotFoundError):
     """A file or folder the user named, or a run output the command needs, does not exist."""

@@ -35,6 +35,8 @@ LAYERS: dict[str, int] = {
     "storage": 0,  # the one storage module: local paths and gs://
     "checkpoint_format": 0,  # the checkpoint format on disk (no JAX)
     "suites": 0,  # the registry through which the library reaches experiments/
+    "run_lookup": 0,  # a run by id: the suites, then the runs folder (config-file and override runs)
+    "run_data": 0,  # the data a run trains on: its record and the check (no JAX)
     "exit_codes": 0,  # process exit codes (42: preempted, restart me)
     "results": 0,
     "data": 0,
@@ -182,7 +184,7 @@ def test_the_graph_is_read_from_the_source():
     assert "kernels.pallas_ffn" in GRAPH["kernels.experts"]  # a function-level import
     assert {"experiments", "experiments.smelt16", "experiments.placement"} <= set(MODULES)
     assert "descriptors" in GRAPH["experiments"]  # the suites import the library
-    assert "experiments" in GRAPH["cli.train"]  # the CLI imports the suites (filling the registry)
+    assert "experiments" in GRAPH["cli.experiments"]  # the CLI imports the suites (filling the registry)
 
 
 def test_no_library_module_imports_the_suites():

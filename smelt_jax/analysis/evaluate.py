@@ -160,13 +160,13 @@ def _find_run_root(target: str, root: Path | None) -> tuple[Path, int | None, in
                     branch = int(relative[0][6:])
                 return candidate, branch, step
         raise MissingInput(f"{target}: no run.json in it or in the 3 folders above it")
+    from smelt_jax.run_lookup import find_run
     from smelt_jax.rundir import run_dir, runs_root
     base = root or runs_root()
-    matches = sorted(base.glob(f"*/{target}/run.json"))
+    matches = sorted(base.glob(f"*/{target}/run.json"))  # a run folder of this exact name, as it is
     if matches:
         return matches[0].parent, None, None
-    from smelt_jax import suites
-    run = suites.find_run(target)  # UnknownName (a KeyError) for an unknown id
+    run = find_run(target, base)  # a suite's run or one saved under base; UnknownName (a KeyError)
     folder = run_dir(run.suite, run.id, base).root
     if not (folder / "run.json").is_file():
         raise MissingInput(f"run {target} has not been trained under {base} (no {folder}/run.json)")

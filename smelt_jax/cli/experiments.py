@@ -20,9 +20,20 @@ def _fmt(value: float) -> str:
 
 
 def cmd_list(args) -> int:
+    import sys
+
+    from smelt_jax.run_lookup import saved_runs
     ex = _suites()
     names = [args.suite] if args.suite else list(ex.SUITE_NAMES)
-    runs = [run for name in names for run in ex.load_suite(name)]
+    runs = [run for name in names if name in ex.SUITE_NAMES or not args.runs_dir
+            for run in ex.load_suite(name)]
+    saved = []
+    if args.runs_dir:
+        saved, problems = saved_runs(args.runs_dir)
+        saved = [run for run in saved if not args.suite or run.suite == args.suite]
+        for problem in problems:
+            print(f"smelt: skipped: {problem}", file=sys.stderr)
+    runs += saved
     if args.json:
         print(json.dumps([run.to_dict() for run in runs], indent=1))
         return 0
@@ -35,16 +46,21 @@ def cmd_list(args) -> int:
               f"{b.train_flops_per_token:>9.3g} {b.params_total:>9.3g} {b.kv_per_token:>8} "
               f"{b.sparsity:>6.1%}")
     print(f"{len(runs)} runs, {len({r.pair_id for r in runs})} pairs")
+    if args.runs_dir:
+        print(f"{len(saved)} saved run{'s' if len(saved) != 1 else ''} under {args.runs_dir} (defined by "
+              "a config file or --override; their specs are RUNS/SUITE/ID/run.json)")
     return 0
 
 
 def cmd_show(args) -> int:
-    print(json.dumps(_suites().find_run(args.id).to_dict(), indent=2))
+    from smelt_jax.run_lookup import find_run
+    print(json.dumps(find_run(args.id, args.runs_dir).to_dict(), indent=2))
     return 0
 
 
 def cmd_budget(args) -> int:
-    run = _suites().find_run(args.id)
+    from smelt_jax.run_lookup import find_run
+    run = find_run(args.id, args.runs_dir)
     print(f"{run.id}  (attention at {budget_lib.ATTENDED_KEYS:.0f} keys/query; docs/budget.md)")
     for name, value in budget_rows(run).items():
         print(f"  {name:<22} {_fmt(value)}")
@@ -99,14 +115,18 @@ def register(subparsers) -> None:
     p = ex_sub.add_parser("list", help="runs of one suite or all, as a table or JSON")
     p.add_argument("--suite", help="smelt16, ablations200m, micro, ablationsmicro or smoke (default: all)")
     p.add_argument("--json", action="store_true", help="one JSON object per model configuration")
+    p.add_argument("--runs-dir", help="also list the runs saved under this runs root that no suite "
+                                      "defines (config files, overrides)")
     p.set_defaults(handler=cmd_list)
     p = ex_sub.add_parser("show", help="one run's full descriptor as JSON")
     p.add_argument("id", help="run id or a unique prefix of one")
+    p.add_argument("--runs-dir", help="runs root of saved runs (default $SMELT_RUNS_DIR or ./runs)")
     p.set_defaults(handler=cmd_show)
     ex.set_defaults(handler=lambda args: ex.print_help() or 2)
 
     p = subparsers.add_parser("budget", help="FLOPs, parameters, KV cache and sparsity of a run")
     p.add_argument("id", help="run id or a unique prefix of one")
+    p.add_argument("--runs-dir", help="runs root of saved runs (default $SMELT_RUNS_DIR or ./runs)")
     p.set_defaults(handler=cmd_budget)
     p = subparsers.add_parser("match", help="a matched pair's budgets side by side, with ratios")
     p.add_argument("id", help="the id of either run of the pair")

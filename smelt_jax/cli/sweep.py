@@ -25,7 +25,7 @@ def _backend(args, suite: str):
         from smelt_jax.sweep.local import DEFAULT_COMMAND, LocalBackend, LocalSettings
         command = tuple(shlex.split(args.command)) if args.command else DEFAULT_COMMAND
         return LocalBackend(LocalSettings(root=root, command=command, parallel=args.parallel,
-                                          progress=not args.quiet))
+                                          progress=not args.quiet, data_dir=args.data_dir))
     out = Path(args.out) if args.out else Path("sweeps") / suite / args.backend
     overrides = {k: getattr(args, k) for k in ("image", "bucket", "project", "zone", "cluster",
                                                "max_restarts", "data_dir", "capacity", "reservation",
@@ -72,16 +72,19 @@ def cmd_submit(args) -> int:
 def cmd_status(args) -> int:
     graph = _graph(args)
     statuses = _backend(args, graph.suite).status(graph)
-    if args.all:
-        print(f"{'job':<42} {'phase':<7} status")
-        for job in graph.jobs:
-            print(f"{job.name:<42} {job.phase:<7} {statuses[job.name].value}")
     from smelt_jax.sweep.summary import summarize
     summary = summarize(graph, statuses, _runs_root(args.runs_dir))
+    if args.all:
+        print(f"{'job':<42} {'phase':<7} {'data':<12} status")
+        for job in graph.jobs:
+            print(f"{job.name:<42} {job.phase:<7} {summary.data_label(job.run.id):<12} "
+                  f"{statuses[job.name].value}")
     print(" ".join(f"{status.value}={summary.counts[status.value]}" for status in JobStatus)
           + f"  (of {summary.jobs} jobs)")
     print(f"endpoints: {summary.endpoints_written} written, {summary.endpoints_in_store} in the results "
           f"store, {summary.endpoints_expected} expected")
+    for line in summary.data_lines():
+        print(line)
     for job in summary.damaged:
         print(f"damaged: {job.name} ({job.run.id}): a checkpoint it must provide is damaged; "
               f"`smelt train {job.run.id}` (or submitting the sweep) moves it aside and retrains it")
@@ -106,7 +109,7 @@ def cmd_cancel(args) -> int:
 @filesystem_errors
 def cmd_collect(args) -> int:
     from smelt_jax.sweep.collect import collect
-    reports = collect(args.runs_dir, [args.suite] if args.suite else None)
+    reports = collect(args.runs_dir, [args.suite] if args.suite else None, run_id=args.run)
     for report in reports:
         if report.set_aside:
             print(f"{report.suite}: the damaged results table was set aside as {report.set_aside} and rebuilt")
@@ -133,8 +136,9 @@ _CLOUD_HELP = {
     "bucket": "gs://BUCKET/PATH (runs go to PATH/runs)", "project": "Google Cloud project id",
     "zone": "zone of the TPU slices",
     "cluster": "xpk: GKE cluster NAME, or TPU_TYPE=NAME,... (one cluster per slice type)",
-    "data-dir": "gs:// token store the jobs train on (smelt data prepare); required by --submit for "
-                "suites whose runs expect a tokenizer.json (smelt16, ablations200m)"}
+    "data-dir": "token store every job trains on (smelt data prepare); local backend: any store, passed "
+                "to each trainer; xpk/tpu-vm: a gs:// store, required by --submit for suites whose runs "
+                "expect a tokenizer.json (smelt16, ablations200m)"}
 
 
 def _common(parser, *, backend_required: bool, runs_jobs: bool, submits: bool) -> None:
@@ -204,6 +208,8 @@ def register(subparsers) -> None:
     collect = results_verbs.add_parser("collect", help="append endpoint rows missing from the store")
     collect.add_argument("--suite", help="only this suite (default: every suite under the runs root, "
                                               "local or gs://)")
+    collect.add_argument("--run", metavar="ID", help="only this run: an id or unique prefix, a suite's "
+                                                     "or one saved under the runs root (local roots)")
     collect.add_argument("--runs-dir", help="runs root: a local path or gs://... (default $SMELT_RUNS_DIR or ./runs)")
     collect.set_defaults(handler=cmd_collect)
     export = results_verbs.add_parser("export", help="write a suite's endpoint rows as fits/SUITE/results.csv",

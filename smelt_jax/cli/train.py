@@ -1,4 +1,4 @@
-"""`smelt train RUN_ID [--branch K] [--override key=value ...]`."""
+"""`smelt train RUN_ID|--config FILE [--branch K] [--override key=value ...]`."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from smelt_jax.cli import CliError, filesystem_errors, one_line_warnings
 from smelt_jax.config import REMAT_POLICIES
 from smelt_jax.errors import UsageError
 from smelt_jax.exit_codes import NONFINITE, PREEMPTED
-from smelt_jax.overrides import apply_overrides
 
 
 def _default(name: str):
@@ -47,8 +46,8 @@ def cmd_train(args) -> int:
     from smelt_jax.storage import as_path
     root = as_path(args.runs_dir) if args.runs_dir else runs_root()  # an unsupported scheme: one line
     storage.require_folder(root, "runs root")
-    import experiments
-    run = apply_overrides(experiments.find_run(args.id), args.override or [])
+    from smelt_jax.run_lookup import run_to_train
+    run = run_to_train(args.id, args.config, args.override or [], root)
     if args.branch is not None and not 0 <= args.branch < len(run.schedule.fork_steps):
         raise UsageError(f"--branch {args.branch}: {run.id} has branches 0..{len(run.schedule.fork_steps) - 1}")
     from smelt_jax.parallel.layout import parse_layout
@@ -65,10 +64,6 @@ def cmd_train(args) -> int:
     from smelt_jax.train.lock import LockHeld, LockLost
     from smelt_jax.train.trainer import NonFiniteLoss, Preempted, train
 
-    corpus = None
-    if args.data_dir:
-        from smelt_jax.data.corpus import open_dataset
-        corpus = open_dataset(args.data_dir)
     enable_compilation_cache()  # global JAX configuration: the entry point's, not the trainer's
     from smelt_jax.train.checkpoint import quiet_failed_save_noise
     quiet_failed_save_noise()  # from the start, as before: a failed save's noise comes before its report
@@ -77,7 +72,7 @@ def cmd_train(args) -> int:
     try:
         with one_line_warnings():
             summary = train(run, args.branch, root=root, options=options, parallelism=parallelism,
-                            corpus=corpus)
+                            data_dir=args.data_dir)
     except Preempted as err:
         print(f"smelt: {err}", file=sys.stderr)
         for line in finish_lines(run, args.branch, root, stopped=True, runs_dir_flag=runs_dir_flag):
@@ -100,13 +95,18 @@ def register(subparsers) -> None:
         description=f"Resumes from the newest good checkpoint. Exit codes: 0 done, {PREEMPTED} stopped "
                     "after saving (SIGTERM/SIGINT or --stop-after; restart to resume), "
                     f"{NONFINITE} non-finite loss.")
-    p.add_argument("id", help="run id (smelt experiments list)")
+    p.add_argument("id", nargs="?", help="run id or unique prefix: a suite's (smelt experiments list) or "
+                                         "one saved under the runs root (a config file's, an override's)")
+    p.add_argument("--config", metavar="FILE",
+                   help="train the run this YAML or JSON file describes (RunSpec fields: model, schedule, "
+                        "...; docs/training.md); its spec is kept as RUNS/SUITE/ID/run.json")
     p.add_argument("--branch", type=int, help="decay branch index (forks at schedule.fork_steps[K])")
     p.add_argument("--override", nargs="+", action="extend", metavar="KEY=VALUE",
                    help="change model or schedule fields (the run id changes with them)")
     p.add_argument("--runs-dir", help="runs root: a local path or gs://... (default $SMELT_RUNS_DIR or ./runs)")
     p.add_argument("--data-dir", help="token store (smelt data prepare; local or gs://) or corpus folder "
-                                       "(default: the embedded corpus)")
+                                       "(default: the store the run's run.json records, else the "
+                                       "embedded corpus); another store than the recorded one is refused")
     p.add_argument("--log-every", type=int, default=_default("log_every"),
                    help=f"log metrics every N steps (default {_default('log_every')})")
     p.add_argument("--checkpoint-every", type=int, default=_default("checkpoint_every"),

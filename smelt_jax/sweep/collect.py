@@ -96,6 +96,16 @@ def collect_suite(suite: str, root: Path | None = None) -> CollectReport:
     return _append_missing(suite, [(str(path), path.read_text()) for path in files], root)
 
 
+def collect_run(run_id: str, root: Path | None = None) -> CollectReport:
+    """Appends the missing endpoint rows of one run (an id or unique prefix: `run_lookup.find_run`,
+    the suites then the runs root) to its suite's store under a local runs root."""
+    from smelt_jax.run_lookup import find_run
+    root = Path(root) if root is not None else runs_root()
+    run = find_run(run_id, root)
+    files = sorted((root / run.suite / run.id).glob("branch*/endpoint.json"))
+    return _append_missing(run.suite, [(str(path), path.read_text()) for path in files], root)
+
+
 def _bucket_endpoints(root: str, suite: str | None = None) -> list[str]:
     """URLs of the endpoint.json files under `root` (one suite, or all of them)."""
     import fnmatch
@@ -118,10 +128,15 @@ def _bucket_files(root: str, suite: str) -> list[tuple[str, str]]:
 
 
 def collect(root: str | Path | None = None, suites: list[str] | None = None,
-            store_root: Path | None = None) -> list[CollectReport]:
-    """Collects every suite under `root` (or the named ones). A gs:// root's rows go to the local
-    store under `store_root` (default: the local runs root)."""
+            store_root: Path | None = None, run_id: str | None = None) -> list[CollectReport]:
+    """Collects every suite under `root` (or the named ones, or the one run `run_id` names: local roots
+    only). A gs:// root's rows go to the local store under `store_root` (default: the local runs
+    root)."""
     root_text = str(root) if root is not None else str(runs_root())
+    if run_id is not None:
+        if "://" in root_text:
+            raise UsageError("--run collects from a local runs root; use --suite for gs:// roots")
+        return [collect_run(run_id, Path(root_text))]
     if is_gcs(root_text):
         if not suites:
             base = root_text.rstrip("/") + "/"

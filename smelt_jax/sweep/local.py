@@ -56,6 +56,7 @@ class LocalSettings:
     max_restarts: int = 100  # exit-42 restarts of one job within one sweep
     poll_seconds: float = 0.2
     progress: bool = True
+    data_dir: str | None = None  # the token store every job trains on (`--data-dir`); None: each run's own
 
     def __post_init__(self) -> None:
         if self.parallel < 1:
@@ -82,7 +83,10 @@ def sweep_dir(suite: str, root: Path) -> Path:
 
 
 def job_command(job: Job, settings: LocalSettings) -> list[str]:
-    return [*settings.command, *job.train_args()]
+    """The trainer command of `job`: the settings' command, the job's train arguments and, when the
+    sweep names one, `--data-dir STORE` (each trainer also checks it against its run's record)."""
+    data = ["--data-dir", str(settings.data_dir)] if settings.data_dir else []
+    return [*settings.command, *job.train_args(), *data]
 
 
 # State file and lock ---------------------------------------------------------------------------
@@ -375,12 +379,13 @@ class LocalBackend:
 
 def run_suite_locally(suite: str, *, root: Path | None = None, parallel: int = 1,
                       command: Sequence[str] | None = None,
-                      progress: bool = True) -> dict[str, JobStatus]:
-    """Trains a whole suite here (stable runs, then their decay branches, rows in the results store);
-    resumes where a previous call stopped. Returns when every job is done; raises `SweepError`
-    naming the failed jobs and their logs otherwise."""
+                      progress: bool = True, data_dir: str | None = None) -> dict[str, JobStatus]:
+    """Trains a whole suite here (stable runs, then their decay branches, rows in the results store) on
+    the token store `data_dir` (default: each run's own); resumes where a previous call stopped.
+    Returns when every job is done; raises `SweepError` naming the failed jobs and their logs
+    otherwise."""
     graph = suite_graph(suite)
-    settings = LocalSettings(root=root, parallel=parallel, progress=progress,
+    settings = LocalSettings(root=root, parallel=parallel, progress=progress, data_dir=data_dir,
                              command=tuple(command) if command else DEFAULT_COMMAND)
     statuses = run_local(graph, settings)
     if any(s != JobStatus.DONE for s in statuses.values()):

@@ -1,6 +1,7 @@
 """What `smelt sweep status` reports beyond the job statuses: per-status counts, the endpoints a sweep
-should produce, how many are written in run folders and how many reached the results store, and the
-jobs whose checkpoint is damaged.
+should produce, how many are written in run folders and how many reached the results store, the
+jobs whose checkpoint is damaged, and the data each run trains on (its run.json's record:
+`smelt_jax.run_data`).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from pathlib import Path
 
 from smelt_jax.results import read_results
 from smelt_jax.rundir import results_dir, run_dir
+from smelt_jax.run_data import recorded_data
 from smelt_jax.sweep.graph import Job, JobGraph, JobStatus, count_statuses
 
 
@@ -21,6 +23,34 @@ class SweepSummary:
     endpoints_written: int  # endpoint files in the run folders
     endpoints_in_store: int  # rows of the suite's results store for this graph's runs
     damaged: tuple[Job, ...]
+    # run id -> its run.json's data record; {} when run.json records none (older runs), None when the
+    # run has no run.json yet (not started)
+    data: dict[str, dict | None] = dataclasses.field(default_factory=dict)
+
+    def data_label(self, run_id: str) -> str:
+        """A run's data in one word: the store digest's first 12 hex digits, `unrecorded` or `-`."""
+        record = self.data.get(run_id)
+        if record is None:
+            return "-"
+        return str(record["store_digest"])[:12] if record.get("store_digest") else "unrecorded"
+
+    def data_lines(self) -> list[str]:
+        """One line per store the runs train on, then the runs that record none, then those not
+        started."""
+        groups: dict[str, list[str]] = {}
+        for run_id, record in self.data.items():
+            if record and record.get("store_digest"):
+                key = f"data {record['store_digest'][:12]} ({record.get('path') or 'the embedded corpus'})"
+            elif record is not None:
+                key = "data not recorded"
+            else:
+                key = "data of runs not started"
+            groups.setdefault(key, []).append(run_id)
+        order = sorted(k for k in groups if k.startswith("data ") and "(" in k)
+        order += [k for k in ("data not recorded", "data of runs not started") if k in groups]
+        return [f"{key}: {len(groups[key])} run{'s' if len(groups[key]) != 1 else ''}"
+                + (" (run.json written before runs recorded their data; not checked)"
+                   if key == "data not recorded" else "") for key in order]
 
 
 def summarize(graph: JobGraph, statuses: dict[str, JobStatus], root: Path | None = None) -> SweepSummary:
@@ -33,4 +63,14 @@ def summarize(graph: JobGraph, statuses: dict[str, JobStatus], root: Path | None
     return SweepSummary(
         counts=count_statuses(statuses), jobs=len(graph.jobs), endpoints_expected=len(branches),
         endpoints_written=written, endpoints_in_store=in_store,
-        damaged=tuple(job for job in graph.jobs if statuses[job.name] == JobStatus.DAMAGED))
+        damaged=tuple(job for job in graph.jobs if statuses[job.name] == JobStatus.DAMAGED),
+        data=_data(graph, root))
+
+
+def _data(graph: JobGraph, root: Path | None) -> dict[str, dict | None]:
+    out: dict[str, dict | None] = {}
+    for job in graph.jobs:
+        if job.is_stable:
+            exists, record = recorded_data(run_dir(graph.suite, job.run.id, root).spec_file)
+            out[job.run.id] = (record or {}) if exists else None
+    return out

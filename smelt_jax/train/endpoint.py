@@ -15,10 +15,15 @@ from smelt_jax.descriptors import RunSpec
 from smelt_jax.rundir import RunDir, results_dir
 
 
-def write_spec(run: RunSpec, rd: RunDir) -> None:
-    """`run.json` (the resolved descriptor and where it ran), once: an existing one is kept."""
+def write_spec(run: RunSpec, rd: RunDir, data: dict | None = None) -> None:
+    """`run.json` (the resolved descriptor, where it ran and the data it trains on:
+    `smelt_jax.run_data`), once: an existing one is kept. It is also the spec by which commands find a
+    run no suite defines (`smelt_jax.run_lookup`)."""
     if not storage.exists(rd.spec_file):
-        storage.write_json(rd.spec_file, {**run.to_dict(), "metadata": run_metadata()})
+        record = {**run.to_dict(), "metadata": run_metadata()}
+        if data is not None:
+            record["data"] = data
+        storage.write_json(rd.spec_file, record)
 
 
 def write_endpoint(run: RunSpec, branch: int, losses: dict[str, float], *, root: Path | None,

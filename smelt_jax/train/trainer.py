@@ -108,6 +108,14 @@ def _load_corpus():
     return open_dataset(None, progress=sys.stderr.isatty())
 
 
+def _open_store(path: str | None):
+    """The token store at `path`; None: the embedded default corpus (`_load_corpus`)."""
+    if path is None:
+        return _load_corpus()
+    from smelt_jax.data.corpus import open_dataset
+    return open_dataset(path)
+
+
 def evaluate(eval_step, params, corpus, seq_len: int, options: TrainOptions,
              place=lambda batch: batch, host: dict | None = None,
              check: Callable[[], None] | None = None) -> dict[str, float]:
@@ -170,8 +178,10 @@ class _Phase:
     on first use) the mesh, the plan, the jitted steps, the data pipeline and the MFU denominator."""
 
     def __init__(self, run: RunSpec, branch: int | None, root: Path | None, corpus,
-                 options: TrainOptions, parallelism: Parallelism | None, stop: StopSignal) -> None:
+                 options: TrainOptions, parallelism: Parallelism | None, stop: StopSignal,
+                 data: dict | None = None) -> None:
         self.run, self.branch, self.root, self.corpus, self.options = run, branch, root, corpus, options
+        self.data = data or {}  # the data's record (smelt_jax.run_data): run.json, checkpoint metadata
         self.parallelism = parallelism if parallelism is not None else run.parallelism
         self.stop, self.lock = stop, None
         self.rd: RunDir = run_dir(run.suite, run.id, root)
@@ -228,16 +238,18 @@ class _Phase:
 
 
 def train(run: RunSpec, branch: int | None = None, *, root: Path | None = None, corpus=None,
-          options: TrainOptions = TrainOptions(), parallelism: Parallelism | None = None
-          ) -> dict[str, Any]:
+          options: TrainOptions = TrainOptions(), parallelism: Parallelism | None = None,
+          data_dir: str | None = None) -> dict[str, Any]:
     """Train one phase to its end (or until stopped). Returns a summary dict.
 
     The mesh comes from `parallelism` (default: the run's own `run.parallelism`) over every device of
     every process; one device is a 1x1x1x1 mesh. Parameters and optimizer state are created (or
     restored) directly with their shardings; each process feeds its own rows of the global batch.
 
-    `corpus` defaults to the embedded corpus; data of a tokenizer the run does not expect
-    (`RunSpec.check_data`) raises DataMismatch before anything is written. Process 0 then takes the
+    The data: `corpus`, else the token store at `data_dir`, else the store the run's run.json records,
+    else the embedded corpus; a store other than the recorded one raises `run_data.DataChanged`, and
+    data of a tokenizer the run does not expect (`RunSpec.check_data`) DataMismatch, both before
+    anything is written. run.json and every checkpoint record the data (`smelt_jax.run_data`). Process 0 then takes the
     phase's lock (`smelt_jax.train.lock`): a second trainer of the same phase raises `LockHeld` naming
     the holder, before any other work. SIGTERM / SIGINT from here to the end raise `Preempted`.
     """
@@ -245,9 +257,11 @@ def train(run: RunSpec, branch: int | None = None, *, root: Path | None = None, 
 
     lr_lib.phase_steps(run.schedule, branch)  # a bad branch fails before anything is written
     with StopSignal() as stop:
-        corpus = corpus if corpus is not None else _load_corpus()
+        from smelt_jax.run_data import data_for_run
+        corpus, data = data_for_run(run.id, run_dir(run.suite, run.id, root).spec_file, corpus=corpus,
+                                    data_dir=data_dir, open_store=_open_store)
         run.check_data(corpus.tokenizer, f"the data at {getattr(corpus, 'root', '(in memory)')}")
-        phase = _Phase(run, branch, root, corpus, options, parallelism, stop)
+        phase = _Phase(run, branch, root, corpus, options, parallelism, stop, data)
         if not phase.is_writer:
             return _run_phase(phase)
         lock = lock_lib.phase_lock(phase.rd.phase(branch), description=phase.name)
@@ -264,7 +278,7 @@ def _run_phase(phase: _Phase) -> dict[str, Any]:
     """restore -> repair (each missing fork checkpoint, oldest first) -> loop -> finish."""
     phase.check_stop("before restoring")
     if phase.is_writer:
-        write_spec(phase.run, phase.rd)
+        write_spec(phase.run, phase.rd, phase.data)
     while True:
         ckpt, hole, good = _open_checkpoints(phase)
         if hole is None:
@@ -498,7 +512,9 @@ def _build_loop(phase: _Phase, ckpt: Checkpointer, start: int, stop_at: int, onl
     loop.add_hook(hooks.Checkpoints(
         ckpt, guard, record, keep=phase.keep, every=options.checkpoint_every, end=phase.end,
         should_stop=_stop_rule(phase, start), stop=_preempted(phase, stop_at, only), only=only,
-        metadata={"run_id": run.id, "branch": phase.branch}))
+        metadata={"run_id": run.id, "branch": phase.branch,
+                  "data_digest": phase.data.get("store_digest"),
+                  "tokenizer_sha256": phase.data.get("tokenizer_sha256")}))
     return loop
 
 

@@ -1,0 +1,96 @@
+"""The data a run trains on is part of the run: its record in run.json and every checkpoint's metadata,
+and the check that a resume or a decay branch trains on the same data.
+
+    run.json "data":          {"store_digest", "tokenizer_sha256", "path"}
+    checkpoint metadata:      "data_digest", "tokenizer_sha256" (`checkpoint_format.step_metadata`)
+
+The store digest (`token_store.store_digest`, in every store's manifest.json, the embedded corpus's
+too) is the sha256 of the manifest's content: the format, the tokenizer's sha256, the split rule, the
+source table and the tree digest of every array (every token, offset and split index, hashed when the
+store was written). Two stores with the same digest hold the same tokens in the same documents and
+splits, wherever they are; reading it costs one small file, and every open already checks that the
+manifest gives its digest (`check_store`). `path` is where the store was (None: the embedded default
+corpus, wherever this machine keeps it).
+
+A phase whose run.json records data and gets no --data-dir opens the recorded store; given another
+store (another digest) it stops before any work with one line naming both (`DataChanged`, exit 2). A
+run.json written before runs recorded their data is not checked (said once per process). Jax-free.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+
+from smelt_jax import storage
+from smelt_jax.errors import UsageError
+
+_NOT_RECORDED_SAID: set[str] = set()
+
+
+class DataChanged(UsageError):
+    """A resume or a branch was given a token store other than the one its run trained on."""
+
+
+def _default_root() -> str:
+    from smelt_jax.data.corpus import default_corpus_dir
+    return storage.normalize(default_corpus_dir())
+
+
+def describe(corpus) -> dict:
+    """The record of the data `corpus` (a TokenStore) holds; the digest is None for in-memory data."""
+    tokenizer = getattr(corpus, "tokenizer", None)
+    root = getattr(corpus, "root", None)
+    path = None if root is None or storage.normalize(root) == _default_root() else str(root)
+    return {"store_digest": getattr(corpus, "digest", None),
+            "tokenizer_sha256": getattr(tokenizer, "sha256", None), "path": path}
+
+
+def _where(record: dict) -> str:
+    return record.get("path") or "the embedded corpus"
+
+
+def check_same_data(run_id: str, recorded: dict | None, current: dict) -> None:
+    """DataChanged unless `current` is the data `recorded` names (same store digest; no check when
+    nothing, or no digest, was recorded)."""
+    if not recorded or not recorded.get("store_digest") or not current.get("store_digest"):
+        return
+    if recorded["store_digest"] == current["store_digest"]:
+        return
+    tokenizer = ""
+    if recorded.get("tokenizer_sha256") != current.get("tokenizer_sha256"):
+        tokenizer = (f", tokenizer {str(current.get('tokenizer_sha256'))[:12]} instead of "
+                     f"{str(recorded.get('tokenizer_sha256'))[:12]}")
+    raise DataChanged(
+        f"run {run_id} trained on token store {recorded['store_digest'][:12]} ({_where(recorded)}); "
+        f"{_where(current)} is token store {current['store_digest'][:12]}{tokenizer}: refusing to "
+        "train it on other data (leave out --data-dir to use the recorded store, or train under "
+        "another --runs-dir)")
+
+
+def recorded_data(spec_file) -> tuple[bool, dict | None]:
+    """(whether the run's run.json exists, its "data" record or None)."""
+    if not storage.exists(spec_file):
+        return False, None
+    record = json.loads(storage.read_text(spec_file))
+    data = record.get("data") if isinstance(record, dict) else None
+    return True, data if isinstance(data, dict) else None
+
+
+def data_for_run(run_id: str, spec_file, *, corpus=None, data_dir: str | None = None,
+                 open_store: Callable[[str | None], object]) -> tuple[object, dict]:
+    """(the corpus a phase of `run_id` trains on, its record). `corpus` or `data_dir` when given, else
+    the store run.json records, else `open_store(None)` (the embedded corpus). DataChanged when
+    run.json records another store."""
+    exists, recorded = recorded_data(spec_file)
+    if exists and recorded is None and run_id not in _NOT_RECORDED_SAID:
+        _NOT_RECORDED_SAID.add(run_id)
+        print(f"smelt: {run_id}: its run.json records no token store (written before runs recorded "
+              "their data); the data is not checked", file=sys.stderr)
+    if corpus is None:
+        path = data_dir if data_dir is not None else (recorded or {}).get("path")
+        corpus = open_store(path)
+    current = describe(corpus)
+    check_same_data(run_id, recorded, current)
+    return corpus, current

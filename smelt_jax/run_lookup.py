@@ -1,0 +1,152 @@
+"""Finding a run by id: the suites first, then the runs folder. The one lookup every command uses.
+
+A run that no suite defines (a config file: `smelt train --config run.yaml`, or a suite run changed by
+`--override`) is known by the spec its trainer saved, `<runs root>/<suite>/<run id>/run.json`
+(`RunSpec.to_dict` plus `metadata` and `data`): `RunSpec.from_dict` of it must give the folder's id
+again, so a spec that no longer describes its run under this code is refused (ConfigError), never
+trained into another folder.
+
+    find_run(id_or_prefix, root)   a suite run, else the one saved run whose id is or starts with it
+    saved_runs(root)               every saved run that no suite defines (for `experiments list`)
+    load_spec_file(path)           a RunSpec from a YAML or JSON file (one-line ConfigError otherwise)
+    run_to_train(...)              what `smelt train` trains: an id or a config file, then overrides
+
+On a gs:// runs root only exact ids are looked up (one object read, no listing).
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from pathlib import Path
+
+from smelt_jax import storage, suites
+from smelt_jax.config import ConfigError
+from smelt_jax.descriptors import RunSpec
+from smelt_jax.errors import AmbiguousName, MissingInput, UnknownName, UsageError
+from smelt_jax.rundir import runs_root
+
+def spec_from_record(record: dict, where, folder_id: str | None = None) -> RunSpec:
+    """The RunSpec a run.json describes (`RunSpec.from_dict` ignores what the trainer added);
+    `folder_id`: the id the folder is named after, which the spec must give again."""
+    try:
+        run = RunSpec.from_dict(record)
+    except ConfigError as err:
+        raise ConfigError(f"{where}: {err}") from None
+    for expected in {record.get("id"), folder_id} - {None}:
+        if run.id != expected:
+            raise ConfigError(f"{where} describes run {run.id} under this code, not {expected} (the code "
+                              "that computes ids changed since it was written); train it as a new run")
+    return run
+
+
+def _read_record(path) -> dict:
+    try:
+        record = json.loads(storage.read_text(path))
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{path}: not a run spec ({' '.join(str(err).split())})") from None
+    if not isinstance(record, dict):
+        raise ConfigError(f"{path}: a run spec is one JSON object")
+    return record
+
+
+def _saved_files(root, prefix: str = "") -> list:
+    """run.json files of run folders under a local root whose name starts with `prefix`; on gs:// only
+    the exact id's file (`<root>/<suite>/<id>/run.json`, the suite being the id's first field)."""
+    if storage.is_gcs(root):
+        suite = prefix.split("-", 1)[0]
+        url = storage.join(root, suite, prefix, "run.json")
+        return [url] if prefix and "-" in prefix and storage.exists(url) else []
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.glob("*/*/run.json")
+                  if p.parent.name.startswith(prefix) and not p.parent.parent.name.startswith("."))
+
+
+def find_run(run_id: str, root=None) -> RunSpec:
+    """The run with this id or unique id prefix: a suite's (`smelt_jax.suites`), else one saved under
+    the runs root (`root`, default $SMELT_RUNS_DIR or ./runs). UnknownName names the nearest ids."""
+    try:
+        return suites.find_run(run_id)
+    except AmbiguousName:
+        raise
+    except UnknownName as err:
+        miss = err
+    root = storage.as_path(root) if root is not None else runs_root()
+    files = _saved_files(root, run_id)
+    exact = [f for f in files if Path(str(f)).parent.name == run_id]
+    if exact or len(files) == 1:
+        chosen = (exact or files)[0]
+        return spec_from_record(_read_record(chosen), chosen, Path(str(chosen)).parent.name)
+    if files:
+        shown = ", ".join(Path(str(f)).parent.name for f in files[:6]) + (", ..." if len(files) > 6 else "")
+        raise AmbiguousName(f"{run_id!r} is the start of {len(files)} saved run ids under {root} ({shown}); "
+                            "give more of it")
+    saved = [Path(str(f)).parent.name for f in _saved_files(root)]
+    near = difflib.get_close_matches(run_id, saved, n=3, cutoff=0.5)
+    hint = f"; saved runs nearest: {', '.join(near)}" if near else ""
+    raise UnknownName(f"{miss}; nor is it saved under {root}{hint}") from None
+
+
+def saved_runs(root=None) -> tuple[list[RunSpec], list[str]]:
+    """(the runs saved under a local runs root that no suite defines, one line per run.json that does
+    not describe a run), sorted by id."""
+    root = storage.as_path(root) if root is not None else runs_root()
+    runs, problems = [], []
+    for path in _saved_files(root):
+        try:
+            run = spec_from_record(_read_record(path), path, path.parent.name)
+        except ConfigError as err:
+            problems.append(str(err))
+            continue
+        try:
+            suites.find_run(run.id)
+        except UnknownName:
+            runs.append(run)
+    return sorted(runs, key=lambda r: r.id), problems
+
+
+def _parse_spec_text(text: str, path: str) -> object:
+    if path.endswith(".json"):
+        try:
+            return json.loads(text)
+        except ValueError as err:
+            raise ConfigError(f"{path}: not valid JSON ({' '.join(str(err).split())})") from None
+    import yaml  # YAML is a superset of JSON: any other name is read as YAML
+
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML ({' '.join(str(err).split())[:200]})") from None
+
+
+def load_spec_file(path) -> RunSpec:
+    """The RunSpec of a YAML or JSON file (the fields of `RunSpec.from_dict`); ConfigError naming the
+    file and the field, MissingInput when there is no such file."""
+    path = str(path)
+    try:
+        text = storage.read_text(path)
+    except FileNotFoundError:
+        raise MissingInput(f"no config file {path}") from None
+    except (UnicodeDecodeError, IsADirectoryError) as err:
+        raise ConfigError(f"{path}: not a text file ({err})") from None
+    data = _parse_spec_text(text, path)
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: a run spec is a mapping of fields (model, schedule, ...), got "
+                          f"{type(data).__name__ if data is not None else 'an empty file'}")
+    try:
+        return RunSpec.from_dict(data)
+    except ConfigError as err:
+        raise ConfigError(f"{path}: {err}") from None
+
+
+def run_to_train(run_id: str | None, config: str | None, overrides: list[str], root=None) -> RunSpec:
+    """What `smelt train` trains: the run `run_id` names (find_run) or the one `config` describes, with
+    `overrides` (`smelt_jax.overrides`) applied; exactly one of run_id and config."""
+    from smelt_jax.overrides import apply_overrides
+    if (run_id is None) == (config is None):
+        raise UsageError("give a run id or --config FILE, not both" if run_id else
+                         "give a run id (smelt experiments list) or --config FILE")
+    run = find_run(run_id, root) if run_id is not None else load_spec_file(config)
+    return apply_overrides(run, overrides or [])
