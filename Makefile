@@ -6,6 +6,8 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TPU_STAMP := $(VENV)/.tpu-installed
 export PYTHONHASHSEED := 0
+# pytest-xdist workers of `make test` (the tests compile small programs: one compile keeps one core busy)
+TEST_WORKERS ?= 2
 
 .PHONY: help install install-tpu test test-integration test-slow demo bench lint fits notebooks compile-report clean
 
@@ -31,7 +33,7 @@ install-tpu: $(TPU_STAMP)  ## add libtpu (TPU ahead-of-time compilation on CPU)
 
 test: $(STAMP)  ## the fast test suite (installs what it needs)
 	@$(MAKE) --no-print-directory $(TPU_STAMP) || true
-	$(PY) -m pytest -q -m "not slow and not integration"
+	$(PY) -m pytest -q -m "not slow and not integration" -n $(TEST_WORKERS) --dist loadfile --timeout 120
 
 test-integration: $(STAMP) $(TPU_STAMP)  ## real processes, races, packaging, quick start, multihost, TPU compiles
 	$(PY) -m pytest -q -m "integration and not slow"

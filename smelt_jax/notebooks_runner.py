@@ -75,8 +75,9 @@ def execute_notebook(source: Path, *, cwd: Path, timeout: int = 600, write: bool
 
 
 def run_all(folder: Path, *, fixture: Path | None = None, timeout: int = 600, write: bool = True,
-            names: list[str] | None = None) -> list[tuple[str, float]]:
-    """Execute every notebook of `folder` (or those named); returns (name, seconds) per notebook."""
+            names: list[str] | None = None) -> list[tuple[str, float, object]]:
+    """Execute every notebook of `folder` (or those named); returns (name, seconds, executed notebook)
+    per notebook."""
     from smelt_jax.platform import pin_cpu_without_accelerator
 
     folder = Path(folder)
@@ -97,10 +98,10 @@ def run_all(folder: Path, *, fixture: Path | None = None, timeout: int = 600, wr
         for source in sources:
             start = time.perf_counter()
             try:
-                execute_notebook(source, cwd=cwd, timeout=timeout, write=write)
+                notebook = execute_notebook(source, cwd=cwd, timeout=timeout, write=write)
             except Exception as error:  # nbclient's CellExecutionError carries the cell and traceback
                 raise RuntimeError(f"notebook {source} failed:\n{error}") from error
-            timings.append((source.stem, time.perf_counter() - start))
+            timings.append((source.stem, time.perf_counter() - start, notebook))
     finally:
         os.environ.clear()
         os.environ.update(saved)
@@ -121,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     except (RuntimeError, FileNotFoundError) as error:
         print(f"notebooks: {error}", file=sys.stderr)
         return 1
-    for name, seconds in timings:
+    for name, seconds, _ in timings:
         print(f"{name}: ok ({seconds:.1f} s)")
     return 0
 

@@ -156,7 +156,7 @@ def trained(tmp_path_factory):
     run = RunSpec(suite="unit", scale="tiny", sparsity_label="s50", arch="smelt", model=MODEL,
                   schedule=SCHEDULE, control=MODEL.replace(n_experts=2), pair_id="unit-tiny")
     train(run, root=root, corpus=corpus,
-          options=TrainOptions(log_every=1, checkpoint_every=2, progress=False, peak_flops=1e12))
+          options=TrainOptions(log_every=1, checkpoint_every=2, progress=False, peak_flops=1e12, devices=1))
     return run, root, corpus
 
 

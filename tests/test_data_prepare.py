@@ -231,7 +231,7 @@ def test_training_on_local_and_gcs_stores_gives_the_same_losses(gcs_store, local
     run = RunSpec(suite="unit", scale="tiny", sparsity_label="s50", arch="smelt", model=model,
                   schedule=schedule, control=model.replace(n_experts=2), pair_id="unit-tiny")
     options = TrainOptions(log_every=1, checkpoint_every=100, eval_tokens=256, eval_batch_size=4,
-                           progress=False, peak_flops=1e12)
+                           progress=False, peak_flops=1e12, devices=1)
     losses = []
     for name, store in (("local", local), ("gcs", remote)):
         train(run, root=tmp_path / name, corpus=store, options=options)

@@ -17,7 +17,7 @@ from smelt_jax.kernels.backend import pallas_interpret
 from smelt_jax.kernels.gmm import gmm, tgmm
 from smelt_jax.kernels.pallas_ffn import pallas_expert_ffn
 
-pytestmark = [pytest.mark.tpu, pytest.mark.integration]  # every test here compiles for TPU
+pytestmark = pytest.mark.tpu  # every test here compiles for TPU; all but the splash one in the integration tier
 
 TOPOLOGIES = ["v5e:2x2", "v5p:2x2x1", "v6e:2x2"]
 M, D, F, E = 512, 256, 384, 4
@@ -71,6 +71,7 @@ def _compile_ffn(topology, dtype):
           f"backward {backward_summary.compile_seconds:.2f}s")
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("topology", TOPOLOGIES)
 def test_expert_ffn_compiles_forward_and_backward_bf16(topology):
     _compile_ffn(topology, jnp.bfloat16)
@@ -117,6 +118,7 @@ def test_default_tiling_compiles_on_v6e():
     assert _num_mosaic_kernels(compiled) >= 6
 
 
+@pytest.mark.integration
 def test_interpret_none_means_mosaic_only_inside_a_tpu_mesh():
     assert jax.default_backend() == "cpu"  # the host of an ahead-of-time compile
     assert pallas_interpret(None) is True
@@ -127,7 +129,7 @@ def test_interpret_none_means_mosaic_only_inside_a_tpu_mesh():
     assert pallas_interpret(None) is True
 
 
-def test_splash_compiles_to_mosaic_ahead_of_time_for_v5p():
+def test_splash_compiles_to_mosaic_ahead_of_time_for_v5p():  # the fast tier's one TPU compile (~5 s)
     """Splash forward + backward compiled for a v5p chip from this CPU: two Mosaic custom calls (the
     forward and the fused backward) and no Pallas interpret-mode loop (interpret mode lowers the kernel's
     grid to `while` loops; this program has no other loop). Names such as "splash_mha_fwd" are in the

@@ -73,10 +73,17 @@ def _fixture(root: Path) -> Path:
     return root
 
 
-def test_every_notebook_executes_on_a_fixture(tmp_path):
+@pytest.fixture(scope="module")
+def executed(tmp_path_factory):
+    """Every notebook executed once on the fixture: {name: executed notebook}."""
+    runs = notebooks_runner.run_all(NOTEBOOKS, fixture=_fixture(tmp_path_factory.mktemp("nb")), write=False,
+                                    timeout=120)
+    return {name: notebook for name, _, notebook in runs}
+
+
+def test_every_notebook_executes_on_a_fixture(executed):
     assert {p.stem for p in NOTEBOOKS.glob("*.py")} == EXPECTED
-    timings = notebooks_runner.run_all(NOTEBOOKS, fixture=_fixture(tmp_path), write=False, timeout=120)
-    assert {name for name, _ in timings} == EXPECTED
+    assert set(executed) == EXPECTED
 
 
 def test_fixture_environment_and_a_failing_notebook_is_reported(tmp_path):
@@ -91,13 +98,8 @@ def test_fixture_environment_and_a_failing_notebook_is_reported(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["training_curves", "scaling_fits", "results_micro"])
-def test_executed_notebooks_show_their_figures_inline(tmp_path, monkeypatch, name):
+def test_executed_notebooks_show_their_figures_inline(executed, name):
     """No Agg backend in the notebooks: an executed notebook carries its figures as image outputs."""
-    for key, value in notebooks_runner.fixture_environment(_fixture(tmp_path)).items():
-        monkeypatch.setenv(key, value)
-    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
-    notebook = notebooks_runner.execute_notebook(NOTEBOOKS / f"{name}.py", cwd=NOTEBOOKS.parent,
-                                                 timeout=120, write=False)
-    images = [output for cell in notebook.cells for output in cell.get("outputs", [])
+    images = [output for cell in executed[name].cells for output in cell.get("outputs", [])
               if "image/png" in output.get("data", {})]
     assert images, f"{name}: no inline figure in the executed notebook"

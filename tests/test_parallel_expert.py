@@ -120,6 +120,7 @@ def test_expert_parallel_moe_matches_the_unsharded_layer(layout, b, s, routing, 
 
 
 @pytest.mark.tpu
+@pytest.mark.integration
 def test_the_ragged_exchange_is_the_default_for_a_tpu_slice():
     """The real ragged-all-to-all (and JAX's transpose of it, in the backward pass) in a micro train
     step, compiled by the TPU compiler: it is what the default (`auto`) exchange compiles to for TPU, it

@@ -111,6 +111,7 @@ except LockHeld:
 """
 
 
+@pytest.mark.integration  # real processes
 def test_lease_race_between_processes_has_one_winner(tmp_path):
     """The lease that guards gs:// runs, raced by six real processes at one instant on a local folder
     (tensorstore's file kvstore gives the same generation-conditional writes as Cloud Storage): exactly
@@ -145,6 +146,7 @@ sys.exit(main(["train", run.id, "--quiet", "--log-every", "1", "--checkpoint-eve
 """
 
 
+@pytest.mark.integration  # real processes
 def test_two_trainers_of_one_run_one_trains_the_other_exits_2_at_once(tmp_path, corpus):
     """Issue item 3: the second trainer used to die after its start-up with an orbax TimeoutError
     traceback, having logged step 10 twice. Real processes, started together."""
@@ -418,6 +420,7 @@ def test_null_override_only_for_optional_fields():
         apply_overrides(run, ["peak_lr=null"])
 
 
+@pytest.mark.integration  # real processes
 def test_lock_of_a_killed_trainer_is_taken_over_by_the_next_one(tmp_path, corpus):
     """kill -9 leaves trainer.lock behind; the next `smelt train` of the run takes it over at once
     (same host, dead pid) and finishes."""

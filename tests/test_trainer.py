@@ -23,7 +23,7 @@ MODEL = ModelConfig(vocab=512, d_model=32, n_layers=3, n_heads=2, n_kv_heads=1, 
 SCHEDULE = Schedule(batch_size=4, seq_len=32, stable_steps=12, fork_steps=(6, 12), decay_steps=4,
                     warmup_steps=2, peak_lr=3e-3)
 OPTIONS = TrainOptions(log_every=1, checkpoint_every=4, eval_tokens=256, eval_batch_size=4,
-                       progress=False, peak_flops=1e12)
+                       progress=False, peak_flops=1e12, devices=1)  # one device: sharding is not the subject
 
 
 def _run(**changes) -> RunSpec:
@@ -155,6 +155,7 @@ except Preempted:
 """
 
 
+@pytest.mark.integration  # real processes
 def test_sigterm_saves_and_exits_42(tmp_path, corpus):
     """A real process: SIGTERM mid-run -> a checkpoint at the current step and exit code 42."""
     import os

@@ -75,6 +75,9 @@ class TrainOptions:
     profile: tuple[int, int] | int | None = None
     tensorboard: bool = True  # event files in <phase>/tensorboard/ (smelt_jax.train.tensorboard)
     wandb: str = ""  # W&B project the phase also logs to (smelt_jax.train.wandb_log); "": none
+    # Train on the first N devices of a single process (a debugging or test run that is not about
+    # sharding); None: every device of every process.
+    devices: int | None = None
 
     def __post_init__(self) -> None:
         """Bad options fail here, before any start-up work (UsageError: one line, exit 2)."""
@@ -91,6 +94,9 @@ class TrainOptions:
         if self.peak_flops is not None and not (isinstance(self.peak_flops, (int, float))
                                                 and 0 < self.peak_flops < float("inf")):
             raise UsageError(f"peak_flops must be a positive finite number, got {self.peak_flops!r}")
+        if self.devices is not None and (isinstance(self.devices, bool) or not isinstance(self.devices, int)
+                                         or self.devices < 1):
+            raise UsageError(f"devices must be None or an integer >= 1, got {self.devices!r}")
         if self.profile is not None and not _valid_profile(self.profile):
             raise UsageError("--profile must be STEPS (an integer >= 1) or START:STOP (integers, "
                              f"0 <= START < STOP), got {self.profile!r}")
@@ -198,7 +204,13 @@ class _Phase:
 
     @functools.cached_property
     def mesh(self):
-        return sharding.make_mesh(self.parallelism)
+        n = self.options.devices
+        if n is None:
+            return sharding.make_mesh(self.parallelism)
+        if jax.process_count() > 1 or n > jax.local_device_count():
+            raise UsageError(f"devices={n} needs one process with at least {n} devices "
+                             f"({jax.process_count()} processes, {jax.local_device_count()} local devices)")
+        return sharding.make_mesh(self.parallelism, jax.local_devices()[:n])
 
     @functools.cached_property
     def tx(self):
