@@ -3,7 +3,7 @@
     PYTHONPATH=. python -m benchmarks.moe_load [RUN_ID] [STEPS] [EVERY]
 
 Trains one micro run (default micro-xs-s95-smelt) on the embedded corpus with its own optimizer and
-learning-rate schedule (held at its last value past the schedule's end), and every EVERY steps reads
+learning-rate schedule (the stable phase's, its last rate held past its end), and every EVERY steps reads
 each executed layer's top-k expert ids (the model's `capture` forward on the step's batch). For each
 sample and layer it computes, with the tokens split into `shards` equal contiguous shards and the
 experts into n contiguous device groups (the MoE shard_map's layout):
@@ -62,7 +62,7 @@ def measure(run_id: str, steps: int, every: int) -> list[tuple[int, int, dict]]:
         _, aux = model(batch["tokens"], batch["segment_ids"], batch["positions"], capture=True)
         return {key: c["topk_ids"] for key, c in aux["captures"].items()}
 
-    last = sched.stable_steps + sched.decay_steps - 1
+    last = sched.stable_steps - 1  # the stable phase; its last rate is held past its end
     samples = []
     for step in range(steps + 1):
         batch = {k: jnp.asarray(v) for k, v in pipeline.batch_at(step).items()}
