@@ -46,12 +46,15 @@ def content_hash(obj: Any, length: int = 8) -> str:
 
 
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+# The expert exchange's first-pass rows over the balanced load (docs/moe-buffers.md: measured imbalance).
+EXPERT_BUFFER_SLACK = 1.5
 # Fields added after the first spec files were written: left out of `to_dict` while they hold these
 # defaults, so older spec files, layout-cache keys and golden files read the same.
-_OMITTED_WHEN_DEFAULT = {"expert_exchange": "auto", "attention_impl": "auto"}
+_OMITTED_WHEN_DEFAULT = {"expert_exchange": "auto", "attention_impl": "auto",
+                         "expert_buffer_slack": EXPERT_BUFFER_SLACK}
 # How a model is executed, not what it computes: every backend is tested equal to the reference
 # (kernels/backend.py resolves "auto" by platform), so none of these enters a run id (`identity`).
-EXECUTION_FIELDS = ("expert_impl", "expert_exchange", "attention_impl")
+EXECUTION_FIELDS = ("expert_impl", "expert_exchange", "attention_impl", "expert_buffer_slack")
 # Fields moved out of ModelConfig: `from_dict` drops them from old spec files. `remat` is an execution
 # choice and lives with the layout (`descriptors.Parallelism.remat`).
 _RETIRED_FIELDS = ("remat",)
@@ -93,6 +96,9 @@ class ModelConfig:
     # How expert parallelism moves tokens (model/expert_exchange.py): "auto" = ragged on TPU/GPU, padded
     # on CPU (XLA:CPU lacks ragged-all-to-all); kernels/backend.choose_expert_exchange decides.
     expert_exchange: str = "auto"
+    # Expert-parallel buffers: rows per destination = slack x the balanced load (model/moe_buffers.py);
+    # None = the worst case. Rows past it take overflow passes, so the numbers do not depend on it.
+    expert_buffer_slack: float | None = EXPERT_BUFFER_SLACK
     # "auto" = Pallas splash attention on TPU, the reference elsewhere: choose_attention_backend.
     attention_impl: str = "auto"
 
@@ -121,6 +127,8 @@ class ModelConfig:
                  "auxiliary loss weights must be >= 0")
         _require(self.capacity_factor is None or self.capacity_factor > 0,
                  f"capacity_factor must be None (dropless) or > 0, got {self.capacity_factor}")
+        _require(self.expert_buffer_slack is None or self.expert_buffer_slack > 0,
+                 f"expert_buffer_slack must be None (worst case) or > 0, got {self.expert_buffer_slack}")
         _require(self.expert_impl in EXPERT_IMPLS,
                  f"expert_impl {self.expert_impl!r} not in {EXPERT_IMPLS}")
         _require(self.expert_exchange in EXPERT_EXCHANGES,

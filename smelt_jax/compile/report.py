@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import gzip
+import math
 import os
 import time
 from typing import Any
@@ -42,7 +43,7 @@ from smelt_jax.descriptors import Parallelism, RunSpec
 from smelt_jax.hardware import Slice, parse_slice
 from smelt_jax.kernels import splash
 from smelt_jax.kernels.backend import choose_attention_backend, choose_expert_backend, choose_expert_exchange
-from smelt_jax.model.expert_exchange import buffer_fill
+from smelt_jax.model.expert_exchange import buffer_fill, token_axes
 
 @dataclasses.dataclass(frozen=True)
 class CompileReport:
@@ -311,7 +312,7 @@ def compile_run(run: RunSpec, slice_name: str, layout: Parallelism | None = None
         output_bytes=summary.output_bytes, temp_bytes=summary.temp_bytes, peak_bytes=peak,
         compiled_flops=summary.flops, budget_flops=program.budget_flops,
         optimal_seconds=summary.optimal_seconds)
-    report = analyse(report, summary.program_flops, hlo_text, pallas_fill=_pallas_fill(program),
+    report = analyse(report, summary.program_flops, hlo_text, pallas_fill=_pallas_fill(program, run),
                      conventional_flops=program.conventional_flops)
     return with_accounting(report, run, trace_program_flops)
 
@@ -330,11 +331,14 @@ def with_accounting(report: CompileReport, run: RunSpec, trace_fn) -> CompileRep
     return dataclasses.replace(report, flops_accounting=accounting)
 
 
-def _pallas_fill(program: _Program) -> float:
+def _pallas_fill(program: _Program, run: RunSpec) -> float:
     shards = program.mesh.shape.get("expert", 1)
     if shards <= 1:
         return 1.0
-    return buffer_fill(program.cfg.top_k, program.cfg.n_experts, shards)
+    token_shards = math.prod(program.mesh.shape[a] for a in token_axes(program.mesh))
+    return buffer_fill(program.cfg.top_k, program.cfg.n_experts, shards,
+                       tokens_local=-(-run.schedule.tokens_per_step // token_shards),
+                       slack=program.cfg.expert_buffer_slack)
 
 
 def trace_program_flops(run: RunSpec, slice_name: str, layout: Parallelism | None = None,
@@ -345,7 +349,7 @@ def trace_program_flops(run: RunSpec, slice_name: str, layout: Parallelism | Non
     with jax.set_mesh(program.mesh):
         traced = jax.jit(program.step, in_shardings=program.in_shardings,
                          out_shardings=program.out_shardings).trace(*program.args)
-    return program_flops(traced.jaxpr), _pallas_fill(program)
+    return program_flops(traced.jaxpr), _pallas_fill(program, run)
 
 
 def write_hlo(path: str | os.PathLike, hlo_text: str) -> None:

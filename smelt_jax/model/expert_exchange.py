@@ -6,22 +6,32 @@ layer's Dispatch, weights, backend -> y_copies [T, k, d]) with a different data 
 the capacity decision (`Dispatch.kept`), the combine and the load statistics stay in the MoE layer
 (`smelt_jax.model.moe`), outside the shard_map, so both strategies share them.
 
-1. Inside the shard_map each device holds T_l tokens (tokens split over data x fsdp x expert) and
-   E_l = E / n experts (n = size of `expert`). It writes each kept copy into a send buffer
-   [n, C, d] at (destination device = expert // E_l, next free slot), C = T_l * min(k, E_l): a token
-   picks distinct experts, so at most min(k, E_l) of its copies go to one device. Dropless.
-2. `all_to_all` over `expert` swaps the buffers; the receiver sorts its n*C rows by local expert and
-   calls `smelt_jax.kernels.expert_ffn` on its E_l experts (empty slots are padding rows).
-3. Unsort, `all_to_all` back, gather each copy's output from (destination, slot).
+Inside the shard_map each device holds T_l tokens (tokens split over data x fsdp x expert) and
+E_l = E / n experts (n = size of `expert`); expert e lives on device e // E_l as local expert e % E_l.
+
+1. Layout (`_send_layout`): the device's R = T_l * k copies are sorted by expert (stable), so the copies
+   for destination j form block j, itself grouped by local expert: copy r sits at row slot[r] of block
+   dest[r]; counts [n, E_l] says how many rows each (destination, local expert) has.
+2. A pass (`_one_pass`) moves rows [first, first + width) of every block: a send buffer [n, width, d],
+   `all_to_all` over `expert` of it and of its counts [n, E_l] (the rows' experts follow from the counts:
+   no per-row expert id crosses the network), the receiver puts its n * width rows in expert order by
+   arithmetic on the counts, runs `smelt_jax.kernels.expert_ffn` on its E_l experts, and everything goes
+   back the way it came.
+3. The first pass has width C = `moe_buffers.rows_per_destination` (the expected load x
+   `ModelConfig.expert_buffer_slack`; None = the worst case). Rows past C are never dropped: overflow
+   passes of width `moe_buffers.overflow_rows` run in a loop, as many as the fullest block of any device
+   needs (a `pmax` over the token axes, so every device runs the same collectives). With enough slack the
+   loop runs 0 times. The loop has a custom VJP (`_overflow_outputs`) whose backward loops over the same
+   passes, recomputing each one's forward: a while loop of data-dependent length is not differentiable
+   by JAX itself.
 
 Two ways to move the buffers (`ModelConfig.expert_exchange`; its default "auto" is ragged on TPU/GPU and
 padded on CPU, decided by `kernels.backend.choose_expert_exchange`):
-- "padded" (runs everywhere): `all_to_all` of the whole [n, C, d] buffers. When E_l >= k,
-  only 1/n of the rows carry a token (`buffer_fill`), so n times the necessary bytes cross the ICI.
+- "padded" (runs everywhere): `all_to_all` of the whole [n, width, d] buffers, empty rows included.
 - "ragged": `jax.lax.ragged_all_to_all` sends only the filled prefix of each destination's block, into
-  the same block layout on the receiver, so everything around the exchange is unchanged. XLA:CPU does
-  not implement it ("UNIMPLEMENTED: HLO opcode ragged-all-to-all"), so on CPU it cannot run; the TPU
-  compiler accepts it (tests/test_parallel_expert.py compiles a train step with it for a TPU slice).
+  the same block layout on the receiver. XLA:CPU does not implement it ("UNIMPLEMENTED: HLO opcode
+  ragged-all-to-all"), so on CPU it cannot run; the TPU compiler accepts it (tests/test_parallel_expert.py
+  compiles a train step with it for a TPU slice).
 Gradients flow through the exchanges (each all_to_all is the other's transpose; JAX transposes
 ragged_all_to_all into the reverse ragged exchange).
 """
@@ -37,6 +47,9 @@ from smelt_jax.errors import UsageError
 from smelt_jax.kernels.backend import EXPERT_AXIS
 from smelt_jax.kernels.experts import expert_ffn
 from smelt_jax.model.dispatch import Dispatch
+from smelt_jax.model.moe_buffers import buffer_fill, overflow_rows, rows_per_destination
+
+__all__ = ["buffer_fill", "exchanged_expert_outputs", "token_axes"]
 
 
 def token_axes(mesh) -> tuple[str, ...]:
@@ -47,19 +60,6 @@ def token_axes(mesh) -> tuple[str, ...]:
     if mesh is None:
         return ()
     return tuple(a for a in dict.fromkeys(axes + (EXPERT_AXIS,)) if mesh.shape[a] > 1)
-
-
-def slots_per_destination(tokens_local: int, top_k: int, experts_local: int) -> int:
-    """C: send-buffer rows per destination device. A token picks distinct experts, so at most
-    min(k, E_l) of its copies go to one device: C = T_l * min(k, E_l) keeps the exchange dropless."""
-    return tokens_local * min(top_k, experts_local)
-
-
-def buffer_fill(top_k: int, n_experts: int, expert_shards: int) -> float:
-    """Expected share of the receive buffer's rows that carry a token copy, dropless: each device
-    sends T_l * k copies in n * C rows, so k / (n * min(k, E / n)). 1 when E / n = 1 (S~0 models);
-    1/n whenever E / n >= k. The Pallas kernels skip the empty rows; their cost estimate cannot."""
-    return top_k / (expert_shards * min(top_k, n_experts // expert_shards))
 
 
 def ragged_block_args(send_counts: jax.Array, recv_counts: jax.Array, slots: int, my_index: jax.Array):
@@ -74,61 +74,147 @@ def ragged_block_args(send_counts: jax.Array, recv_counts: jax.Array, slots: int
     return input_offsets, send_counts.astype(jnp.int32), output_offsets, recv_counts.astype(jnp.int32)
 
 
-def exchange_blocks(blocks: jax.Array, counts: jax.Array, *, ragged: bool, fill_value=0) -> jax.Array:
-    """Block j of `blocks` [n, slots, ...] to device j over `expert`; returns [n, slots, ...] with block i
-    from device i. Only the first counts[j] rows of block j are meaningful (counts [n] int32). Padded:
-    `all_to_all` of everything (padding rows arrive as sent). Ragged: only the filled rows travel; the
-    rest of the result is `fill_value`."""
+def exchange_blocks(blocks: jax.Array, counts: jax.Array, recv_counts: jax.Array, *,
+                    ragged: bool) -> jax.Array:
+    """Block j of `blocks` [n, slots, d] to device j over `expert`; returns [n, slots, d] with block i
+    from device i. Only the first counts[j] rows of block j are meaningful (counts [n] int32; recv_counts
+    [n]: what arrives from each device). Padded: `all_to_all` of everything. Ragged: only the filled
+    rows travel; the rest of the result is 0."""
     if not ragged:
         return jax.lax.all_to_all(blocks, EXPERT_AXIS, 0, 0)
     n, slots = blocks.shape[:2]
-    recv_counts = jax.lax.all_to_all(counts, EXPERT_AXIS, 0, 0, tiled=True)
     args = ragged_block_args(counts, recv_counts, slots, jax.lax.axis_index(EXPERT_AXIS))
     flat = blocks.reshape(n * slots, *blocks.shape[2:])
-    out = jax.lax.ragged_all_to_all(flat, jnp.full_like(flat, fill_value), *args, axis_name=EXPERT_AXIS)
+    out = jax.lax.ragged_all_to_all(flat, jnp.zeros_like(flat), *args, axis_name=EXPERT_AXIS)
     return out.reshape(blocks.shape)
 
 
+def _send_layout(ids_local: jax.Array, kept_local: jax.Array, experts_local: int, n: int):
+    """ids_local / kept_local [T_l, k] -> (dest [R] int32, n for copies not sent; slot [R] int32, the
+    copy's row in its destination's block; counts [n, E_l] int32, rows per (destination, local expert)).
+    R = T_l * k; copy j of token t is r = t * k + j. Blocks are in expert order, then token order."""
+    ids = ids_local.reshape(-1).astype(jnp.int32)
+    kept = kept_local.reshape(-1)
+    key = jnp.where(kept, ids, n * experts_local)  # global expert = destination * E_l + local expert
+    order = jnp.argsort(key, stable=True)
+    rank = jnp.zeros_like(key).at[order].set(jnp.arange(key.shape[0], dtype=jnp.int32))
+    counts = jnp.bincount(key, length=n * experts_local).astype(jnp.int32).reshape(n, experts_local)
+    dest = jnp.where(kept, ids // experts_local, n)
+    block_start = jnp.cumsum(jnp.sum(counts, axis=1)) - jnp.sum(counts, axis=1)  # [n]
+    slot = rank - jnp.take(block_start, jnp.minimum(dest, n - 1))
+    return dest, slot, counts
+
+
+def _pass_counts(counts: jax.Array, first, width: int) -> jax.Array:
+    """counts [n, E_l] of whole blocks -> the rows of each (block, expert) inside rows [first,
+    first + width) of the block, [n, E_l] int32."""
+    ends = jnp.cumsum(counts, axis=1)
+    starts = ends - counts
+    return (jnp.clip(ends - first, 0, width) - jnp.clip(starts - first, 0, width)).astype(jnp.int32)
+
+
+def _receiver_positions(recv_counts: jax.Array, width: int) -> tuple[jax.Array, jax.Array]:
+    """recv_counts [n sources, E_l] of blocks of `width` rows -> (position [n * width] int32: the row's
+    place in expert order (experts in order, sources in order within one, rows in order), n * width for
+    empty rows; group_sizes [E_l] int32)."""
+    n, experts_local = recv_counts.shape
+    ends = jnp.cumsum(recv_counts, axis=1)  # [n, E_l] within each block
+    r = jnp.arange(width, dtype=jnp.int32)
+    expert = jnp.sum(r[None, :, None] >= ends[:, None, :], axis=2)  # [n, width]; E_l for empty rows
+    e = jnp.minimum(expert, experts_local - 1)
+    group_sizes = jnp.sum(recv_counts, axis=0)
+    group_start = jnp.cumsum(group_sizes) - group_sizes  # [E_l]
+    before = jnp.cumsum(recv_counts, axis=0) - recv_counts  # [n, E_l] rows of earlier sources
+    within = r[None, :] - jnp.take_along_axis(ends - recv_counts, e, axis=1)
+    position = jnp.take(group_start, e) + jnp.take_along_axis(before, e, axis=1) + within
+    return jnp.where(expert < experts_local, position, n * width).reshape(-1), group_sizes
+
+
+def _one_pass(x_local, w_gate, w_up, w_down, dest, slot, counts, first, *, width: int, top_k: int,
+              impl: str, ragged: bool):
+    """Rows [first, first + width) of every destination block, exchanged and computed.
+    x_local [T_l, d]; weights [E_l, ...]; dest / slot [R]; counts [n, E_l] -> [R, d], the outputs of the
+    copies in this pass (0 for the others)."""
+    n, experts_local = counts.shape
+    t_local, d = x_local.shape
+    in_pass = (dest < n) & (slot >= first) & (slot < first + width)
+    to = jnp.where(in_pass, dest, n)
+    row = slot - first
+    rows = jnp.repeat(x_local, top_k, axis=0)  # [R, d]
+    send_x = jnp.zeros((n, width, d), x_local.dtype).at[to, row].set(rows, mode="drop")
+    send_counts = _pass_counts(counts, first, width)  # [n, E_l]
+    recv_counts = jax.lax.all_to_all(send_counts, EXPERT_AXIS, 0, 0, tiled=True)  # [n sources, E_l]
+    send_fill, recv_fill = jnp.sum(send_counts, axis=1), jnp.sum(recv_counts, axis=1)
+    recv_x = exchange_blocks(send_x, send_fill, recv_fill, ragged=ragged).reshape(n * width, d)
+    position, group_sizes = _receiver_positions(recv_counts, width)
+    m = n * width
+    source = jnp.zeros((m,), jnp.int32).at[position].set(jnp.arange(m, dtype=jnp.int32), mode="drop")
+    carried = jnp.arange(m) < jnp.sum(group_sizes)
+    x_sorted = jnp.where(carried[:, None], jnp.take(recv_x, source, axis=0), 0)
+    # One token sends at most one copy to an expert: an expert gets at most n * min(T_l, width) rows.
+    y_sorted = expert_ffn(x_sorted, w_gate, w_up, w_down, group_sizes, impl=impl,
+                          capacity=n * min(t_local, width))
+    filled = position < m
+    y_recv = jnp.where(filled[:, None], jnp.take(y_sorted, jnp.minimum(position, m - 1), axis=0), 0)
+    y_back = exchange_blocks(y_recv.reshape(n, width, d), recv_fill, send_fill, ragged=ragged)
+    return y_back.at[to, row].get(mode="fill", fill_value=0)
+
+
+def _overflow_outputs(params, ints, n_passes, *, first: int, width: int, pass_kw: dict):
+    """Sum of `n_passes` (traced) passes of `width` rows from row `first` on: params (x_local, w_gate,
+    w_up, w_down), ints (dest, slot, counts) -> [R, d]. A custom VJP: its backward loops over the same
+    passes, recomputing each pass's forward under `jax.vjp`."""
+
+    def run(p, i, q):
+        return _one_pass(*p, *i, first + q * width, width=width, **pass_kw)
+
+    @jax.custom_vjp
+    def overflow(p, i, passes):
+        zero = jnp.zeros((i[0].shape[0], p[0].shape[1]), p[0].dtype)
+        return jax.lax.fori_loop(0, passes, lambda q, acc: acc + run(p, i, q), zero)
+
+    def fwd(p, i, passes):
+        return overflow(p, i, passes), (p, i, passes)
+
+    def bwd(res, g):
+        p, i, passes = res
+
+        def step(q, acc):
+            _, vjp = jax.vjp(lambda pp: run(pp, i, q), p)
+            return jax.tree.map(jnp.add, acc, vjp(g)[0])
+        return jax.lax.fori_loop(0, passes, step, jax.tree.map(jnp.zeros_like, p)), None, None
+
+    overflow.defvjp(fwd, bwd)
+    return overflow(tuple(params), tuple(ints), n_passes)
+
+
 def _exchange_and_compute(x_local, ids_local, kept_local, w_gate, w_up, w_down, *, top_k: int,
-                          impl: str, ragged: bool):
+                          impl: str, ragged: bool, slack: float | None, axes: tuple[str, ...]):
     """Per device: x_local [T_l, d], ids_local / kept_local [T_l, k], weights [E_l, ...] ->
     outputs of this device's token copies [T_l, k, d] (0 for dropped copies)."""
     n = jax.lax.axis_size(EXPERT_AXIS)
     t_local, d = x_local.shape
     experts_local = w_gate.shape[0]
-    slots = slots_per_destination(t_local, top_k, experts_local)
-    ids = ids_local.reshape(-1)
-    dest = jnp.where(kept_local.reshape(-1), ids // experts_local, n)  # n: not sent
-    local_expert = (ids % experts_local).astype(jnp.int32)
-    onehot = (dest[:, None] == jnp.arange(n)[None, :]).astype(jnp.int32)  # [T_l*k, n]
-    slot = jnp.take_along_axis(jnp.cumsum(onehot, axis=0) - 1, jnp.minimum(dest, n - 1)[:, None],
-                               axis=1)[:, 0]
-    rows = jnp.repeat(x_local, top_k, axis=0)  # copy j of token t is row t*k + j
-    send_x = jnp.zeros((n, slots, d), x_local.dtype).at[dest, slot].set(rows, mode="drop")
-    send_e = jnp.full((n, slots), experts_local, jnp.int32).at[dest, slot].set(local_expert,
-                                                                                mode="drop")
-    send_counts = jnp.sum(onehot, axis=0)  # [n] copies this device sends to each destination
-    recv_x = exchange_blocks(send_x, send_counts, ragged=ragged)  # [n sources, slots, d]
-    recv_e = exchange_blocks(send_e, send_counts, ragged=ragged, fill_value=experts_local)
-    flat_e = recv_e.reshape(-1)
-    order = jnp.argsort(flat_e, stable=True)  # empty slots (id E_l) sort last: padding rows
-    group_sizes = jnp.bincount(flat_e, length=experts_local).astype(jnp.int32)
-    x_sorted = jnp.take(recv_x.reshape(n * slots, d), order, axis=0)
-    # One token sends at most one copy to an expert: an expert receives at most n * T_l rows.
-    y_sorted = expert_ffn(x_sorted, w_gate, w_up, w_down, group_sizes, impl=impl,
-                          capacity=n * t_local)
-    y_recv = jnp.take(y_sorted, jnp.argsort(order), axis=0).reshape(n, slots, d)
-    # Back the way they came: block i holds the copies source i sent, recv_counts[i] of them.
-    recv_counts = jnp.sum(flat_e.reshape(n, slots) < experts_local, axis=1).astype(jnp.int32)
-    y_back = exchange_blocks(y_recv, recv_counts, ragged=ragged)  # [n destinations, slots, d]
-    y_copies = y_back.at[dest, slot].get(mode="fill", fill_value=0)
-    return y_copies.reshape(t_local, top_k, d)
+    ints = _send_layout(ids_local, kept_local, experts_local, n)
+    params = (x_local, w_gate, w_up, w_down)
+    pass_kw = dict(top_k=top_k, impl=impl, ragged=ragged)
+    width = rows_per_destination(t_local, top_k, experts_local, n, slack)
+    y = _one_pass(*params, *ints, 0, width=width, **pass_kw)
+    extra = overflow_rows(width, t_local, top_k, experts_local)
+    if extra:  # rows past the first pass, in passes of `extra` rows; every device runs as many
+        fullest = jnp.max(jnp.sum(ints[2], axis=1))
+        n_passes = -(-jnp.maximum(fullest - width, 0) // extra)
+        n_passes = jax.lax.pmax(n_passes, axes) if axes else n_passes
+        y = y + _overflow_outputs(params, ints, n_passes, first=width, width=extra, pass_kw=pass_kw)
+    return y.reshape(t_local, top_k, d)
 
 
 def exchanged_expert_outputs(tokens: jax.Array, plan: Dispatch, w_gate: jax.Array, w_up: jax.Array,
-                             w_down: jax.Array, *, backend: str, ragged: bool, mesh) -> jax.Array:
+                             w_down: jax.Array, *, backend: str, ragged: bool, mesh,
+                             slack: float | None = None) -> jax.Array:
     """tokens [T, d] (compute dtype), weights [E, ...] (E divisible by the `expert` axis of `mesh`, an
-    AbstractMesh or Mesh) -> y_copies [T, k, d], 0 for the copies `plan` drops."""
+    AbstractMesh or Mesh) -> y_copies [T, k, d], 0 for the copies `plan` drops. slack: the first pass's
+    rows per destination over the balanced load (None: the worst case); the result does not depend on it."""
     n_ep = mesh.shape[EXPERT_AXIS]
     n_experts = w_gate.shape[0]
     if n_experts % n_ep:
@@ -148,7 +234,8 @@ def exchanged_expert_outputs(tokens: jax.Array, plan: Dispatch, w_gate: jax.Arra
     token_spec = P(axes if axes else None)
     expert_spec = P(EXPERT_AXIS)
     body = jax.shard_map(
-        lambda *a: _exchange_and_compute(*a, top_k=top_k, impl=backend, ragged=ragged),
+        lambda *a: _exchange_and_compute(*a, top_k=top_k, impl=backend, ragged=ragged, slack=slack,
+                                         axes=axes),
         mesh=mesh, in_specs=(token_spec, token_spec, token_spec, expert_spec, expert_spec,
                              expert_spec),
         # Pallas kernels declare output shapes without varying-manual-axes types, which check_vma

@@ -83,7 +83,7 @@ class MoE(nnx.Module):
         if expert_axis_size(mesh) > 1:
             ragged = choose_expert_exchange(cfg.expert_exchange) == "ragged"
             y_copies = exchanged_expert_outputs(tokens, plan, *weights, backend=backend, ragged=ragged,
-                                                mesh=mesh)
+                                                mesh=mesh, slack=cfg.expert_buffer_slack)
         else:
             y_copies = local_expert_outputs(tokens, plan, *weights, backend=backend)
         y = combine(y_copies, routing.weights)

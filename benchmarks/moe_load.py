@@ -1,0 +1,105 @@
+"""Routing imbalance over training, for sizing the expert-parallel buffers (docs/moe-buffers.md).
+
+    PYTHONPATH=. python -m benchmarks.moe_load [RUN_ID] [STEPS] [EVERY]
+
+Trains one micro run (default micro-xs-s95-smelt) on the embedded corpus with its own optimizer and
+learning-rate schedule (the stable phase's, its last rate held past its end), and every EVERY steps reads
+each executed layer's top-k expert ids (the model's `capture` forward on the step's batch). For each
+sample and layer it computes, with the tokens split into `shards` equal contiguous shards and the
+experts into n contiguous device groups (the MoE shard_map's layout):
+- expert: the busiest expert's rows over the mean (global batch);
+- device: the busiest device's rows over the mean (global batch);
+- block: the fullest (token shard -> device) block over T_l * k / n, the balanced block: the slack the
+  exchange's first pass needs to hold everything.
+Prints a markdown table: per stage of training, the mean and max over samples and layers.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+SHARDS = 8
+DEVICE_COUNTS = (4, 8)
+
+
+def imbalance(ids: np.ndarray, n_experts: int, n_devices: int, shards: int) -> dict[str, float]:
+    """ids [T, k] of one layer -> {'expert', 'device', 'block'} max / mean ratios."""
+    tokens, top_k = ids.shape
+    counts = np.bincount(ids.reshape(-1), minlength=n_experts)
+    per_device = counts.reshape(n_devices, -1).sum(axis=1)
+    dest = (ids // (n_experts // n_devices)).reshape(shards, -1)
+    blocks = np.stack([np.bincount(d, minlength=n_devices) for d in dest])
+    balanced = tokens / shards * top_k / n_devices
+    return {"expert": counts.max() / counts.mean(), "device": per_device.max() / per_device.mean(),
+            "block": blocks.max() / balanced}
+
+
+def measure(run_id: str, steps: int, every: int) -> list[tuple[int, int, dict]]:
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    import experiments
+    from smelt_jax.data.corpus import open_dataset
+    from smelt_jax.data.pipeline import TrainPipeline
+    from smelt_jax.train.lr import learning_rate
+    from smelt_jax.train.state import init_params
+    from smelt_jax.train.step import make_train_step, optimizer
+
+    run = next(r for s in ("micro", "smoke") for r in experiments.load_suite(s) if r.id == run_id)
+    cfg, sched = run.model, run.schedule
+    pipeline = TrainPipeline.from_schedule(open_dataset(None), sched)
+    graphdef, params = init_params(cfg, sched.seed)
+    tx = optimizer(sched)
+    opt_state = tx.init(params)
+    step_fn = jax.jit(make_train_step(graphdef, cfg, tx))
+
+    @jax.jit
+    def routed(params, batch):
+        model = nnx.merge(graphdef, params)
+        _, aux = model(batch["tokens"], batch["segment_ids"], batch["positions"], capture=True)
+        return {key: c["topk_ids"] for key, c in aux["captures"].items()}
+
+    last = sched.stable_steps - 1  # the stable phase; its last rate is held past its end
+    samples = []
+    for step in range(steps + 1):
+        batch = {k: jnp.asarray(v) for k, v in pipeline.batch_at(step).items()}
+        if step % every == 0:
+            for layer, ids in sorted(routed(params, batch).items()):
+                ids = np.asarray(ids).reshape(-1, cfg.top_k)
+                for n in DEVICE_COUNTS:
+                    samples.append((step, n, imbalance(ids, cfg.n_experts, n, SHARDS)))
+        lr = jnp.float32(learning_rate(sched, min(step, last)))
+        params, opt_state, _ = step_fn(params, opt_state, batch, lr)
+    return samples
+
+
+def table(samples, steps: int) -> str:
+    stages = [(0, 0), (1, steps // 3), (steps // 3 + 1, steps)]
+    lines = ["| steps | n devices | expert max/mean: mean, max | device max/mean: mean, max "
+             "| block / balanced: mean, max |", "|---|---|---|---|---|"]
+    for lo, hi in stages:
+        for n in DEVICE_COUNTS:
+            rows = [s for step, dn, s in samples if lo <= step <= hi and dn == n]
+            if not rows:
+                continue
+            cells = [f"{np.mean([r[k] for r in rows]):.2f}, {np.max([r[k] for r in rows]):.2f}"
+                     for k in ("expert", "device", "block")]
+            lines.append(f"| {lo}-{hi} | {n} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    run_id = argv[0] if argv else "micro-xs-s95-smelt-27f34426"
+    steps = int(argv[1]) if len(argv) > 1 else 300
+    every = int(argv[2]) if len(argv) > 2 else 10
+    samples = measure(run_id, steps, every)
+    print(f"{run_id}: {steps} steps, sampled every {every}, {SHARDS} token shards")
+    print(table(samples, steps))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
