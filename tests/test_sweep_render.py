@@ -255,18 +255,27 @@ def test_tpu_vm_script_deletes_the_slice_when_it_gives_up(tmp_path):
     assert not slice_left
 
 
+def _default_signals() -> None:
+    import signal
+    for sig in (signal.SIGHUP, signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize("sig, code", [("TERM", 143), ("INT", 130), ("HUP", 129)])
 def test_tpu_vm_script_deletes_the_slice_when_killed(tmp_path, sig, code):
-    """`smelt sweep cancel` kills the script: the trap stops the ssh and deletes the slice at once."""
+    """`smelt sweep cancel` (SIGTERM), Ctrl-C, or the hang-up of the terminal a script was started from
+    by hand: the trap stops the ssh and deletes the slice at once."""
     import signal
     import time
     graph, jobs = golden_jobs()
     env, state = fake_gcloud_env(tmp_path, ["hang"])
     script = tmp_path / "job.sh"
     script.write_text(job_script(graph, jobs[1], SETTINGS))
+    # Default dispositions in the script, whatever this test runner inherited: bash cannot trap a signal
+    # ignored on entry, and runners started under nohup (CI's, for one) ignore SIGHUP.
     proc = subprocess.Popen(["bash", str(script)], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, preexec_fn=_default_signals)
     deadline = time.monotonic() + 30
     while not (state / "ssh.pid").exists() and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -10,11 +10,13 @@ Per job one script, `jobs/<name>.sh`, that owns a queued resource (a slice: spot
     exit 42, or the slice went away under it -> retry (at most max_restarts times)
     any other exit on a healthy slice        -> stop with that exit code
 
-Whatever way the script ends (done, a trainer failure, giving up, an error of its own, SIGTERM/SIGINT/
-SIGHUP as `smelt sweep cancel` sends), a bash EXIT trap stops the ssh and deletes the slice, so that no
-exit path leaves a slice up and billed.
+Whatever way the script ends (done, a trainer failure, giving up, an error of its own, SIGTERM as
+`smelt sweep cancel` sends, SIGINT, SIGHUP of a terminal it was started from by hand), a bash EXIT trap
+stops the ssh and deletes the slice, so that no exit path leaves a slice up and billed.
 
-`submit.sh` starts every READY job's script in the background (`nohup`), logging to `logs/<name>.log`.
+`submit.sh` starts every READY job's script in the background (`nohup`), logging to `logs/<name>.log`:
+such a script ignores SIGHUP (bash cannot trap a signal ignored on entry), so logging out does not stop
+the sweep; `smelt sweep cancel` sends SIGTERM.
 """
 
 from __future__ import annotations
