@@ -67,7 +67,7 @@ def measure(run_id: str, steps: int, every: int) -> list[tuple[int, int, dict]]:
     for step in range(steps + 1):
         batch = {k: jnp.asarray(v) for k, v in pipeline.batch_at(step).items()}
         if step % every == 0:
-            for layer, ids in sorted(routed(params, batch).items()):
+            for _layer, ids in sorted(routed(params, batch).items()):
                 ids = np.asarray(ids).reshape(-1, cfg.top_k)
                 for n in DEVICE_COUNTS:
                     samples.append((step, n, imbalance(ids, cfg.n_experts, n, SHARDS)))

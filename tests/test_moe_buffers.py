@@ -108,8 +108,8 @@ def test_overflow_passes_run_as_often_as_the_fullest_block_needs(monkeypatch):
         ids, x, weights, _ = _problem(128, 8, 2, kind)
         plan = dispatch(ids, 8, None)
         with jax.set_mesh(mesh):
-            jax.jit(lambda x, w: exchanged_expert_outputs(x, plan, *w, backend="capacity", ragged=False,
-                                                          mesh=mesh, slack=slack))(x, weights)
+            jax.jit(lambda x, w, plan=plan, slack=slack: exchanged_expert_outputs(
+                x, plan, *w, backend="capacity", ragged=False, mesh=mesh, slack=slack))(x, weights)
         jax.effects_barrier()
         width = rows_per_destination(32, 2, 2, 4, slack)
         extra = overflow_rows(width, 32, 2, 2)
