@@ -46,6 +46,28 @@ def content_hash(obj: Any, length: int = 8) -> str:
 
 
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+INT_LIMIT = 2**63  # an integer field must fit a signed 64-bit integer (numpy, JAX, orbax)
+
+
+def value_problem(kind: str, value) -> str | None:
+    """What a config value of `kind` ("bool", "int", "float", "str", "int list") must be when `value` is
+    not one ("an integer", ...), else None. The one check of config files (`RunSpec.from_dict`) and of
+    `--override` values (`smelt_jax.overrides`)."""
+    if kind == "bool":
+        return None if isinstance(value, bool) else "true or false"
+    if kind == "int":
+        if isinstance(value, bool) or not isinstance(value, int):
+            return "an integer"
+        return None if -INT_LIMIT < value < INT_LIMIT else "an integer that fits 64 bits (magnitude below 2**63)"
+    if kind == "float":
+        ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+        return None if ok else "a finite number"
+    if kind == "str":
+        return None if isinstance(value, str) else "a string"
+    if kind == "int list":
+        ok = isinstance(value, (list, tuple)) and all(value_problem("int", v) is None for v in value)
+        return None if ok else "a list of integers"
+    raise ValueError(f"unknown kind {kind!r}")
 # The expert exchange's first-pass rows over the balanced load (docs/moe-buffers.md: measured imbalance).
 EXPERT_BUFFER_SLACK = 1.5
 # Fields added after the first spec files were written: left out of `to_dict` while they hold these

@@ -9,12 +9,11 @@ never share one.
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 from typing import Any
 
 from smelt_jax import budget as budget_lib
-from smelt_jax.config import ConfigError, ModelConfig, Schedule, content_hash
+from smelt_jax.config import ConfigError, ModelConfig, Schedule, content_hash, value_problem
 from smelt_jax.errors import UsageError
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9.]*$")
@@ -33,21 +32,12 @@ SPEC_DEFAULTS = {"suite": "custom", "scale": "custom", "sparsity_label": "custom
 
 def _type_problem(annotation: str, value) -> str | None:
     """Why `value` does not fit a config field annotated `annotation` (int, float, str, float | None,
-    tuple[int, ...]), or None."""
+    tuple[int, ...]), or None (`config.value_problem`)."""
     if value is None and "None" in annotation:
         return None
     base = annotation.split("|")[0].strip()
-    if base == "int" and (isinstance(value, bool) or not isinstance(value, int)):
-        return "an integer"
-    if base == "float" and (isinstance(value, bool) or not isinstance(value, (int, float))
-                            or not math.isfinite(value)):
-        return "a finite number"
-    if base == "str" and not isinstance(value, str):
-        return "a string"
-    if base.startswith("tuple") and not (isinstance(value, (list, tuple)) and all(
-            isinstance(v, int) and not isinstance(v, bool) for v in value)):
-        return "a list of integers"
-    return None
+    kind = "int list" if base.startswith("tuple") else base
+    return value_problem(kind, value) if kind in ("int", "float", "str", "bool", "int list") else None
 
 
 def _section(cls, data, where: str):

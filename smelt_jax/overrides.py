@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 
-from smelt_jax.config import ConfigError
+from smelt_jax.config import ConfigError, value_problem
 from smelt_jax.descriptors import RunSpec
 
-INT_LIMIT = 2**63  # an integer override must fit a signed 64-bit integer (numpy, JAX, orbax)
 MAX_PARAMS = 10**13  # a model beyond ten trillion parameters is a typo, refused before anything starts
 
 
@@ -22,24 +20,12 @@ def _check_value(key: str, old, value, annotation: str = ""):
 
     if old is None or (value is None and ("None" in annotation or "Optional" in annotation)):
         return value
-    if isinstance(old, bool):
-        if not isinstance(value, bool):
-            raise fail("true or false")
-        return value
-    if isinstance(old, int):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise fail("an integer")
-        if not -INT_LIMIT < value < INT_LIMIT:
-            raise fail("an integer that fits 64 bits (magnitude below 2**63)")
-        return value
-    if isinstance(old, float):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise fail("a finite number")
-        return float(value)
-    if isinstance(old, str):
-        if not isinstance(value, str):
-            raise fail("a string")
-        return value
+    for kind, types in (("bool", bool), ("int", int), ("float", float), ("str", str)):
+        if isinstance(old, types):  # bool before int: a bool is an int too
+            problem = value_problem(kind, value)
+            if problem:
+                raise fail(problem)
+            return float(value) if kind == "float" else value
     if isinstance(old, (tuple, list)):
         if not isinstance(value, list):
             raise fail("a JSON list, e.g. [1,2]")
