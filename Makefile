@@ -36,7 +36,7 @@ test: $(STAMP)  ## the fast test suite (installs what it needs)
 	$(PY) -m pytest -q -m "not slow and not integration" -n $(TEST_WORKERS) --dist loadfile --timeout 120
 
 test-integration: $(STAMP) $(TPU_STAMP)  ## real processes, races, packaging, quick start, multihost, TPU compiles
-	$(PY) -m pytest -q -m "integration and not slow"
+	$(PY) -m pytest -q -m "integration and not slow" -n $(TEST_WORKERS) --dist loadfile
 
 test-slow: $(STAMP) $(TPU_STAMP)  ## the slow tests only
 	$(PY) -m pytest -q -m slow

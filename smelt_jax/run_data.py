@@ -94,3 +94,17 @@ def data_for_run(run_id: str, spec_file, *, corpus=None, data_dir: str | None = 
     current = describe(corpus)
     check_same_data(run_id, recorded, current)
     return corpus, current
+
+
+def evaluation_data(run_id: str, spec_file, *, data_dir: str | None,
+                    open_store: Callable[[str | None], object]) -> object:
+    """The corpus `smelt eval` / `smelt analyze` read for a trained run: `data_dir` when given, else the
+    store the run's run.json records (the embedded corpus when it records none). Evaluating on other
+    data is allowed; it is said once on stderr, naming both stores."""
+    _, recorded = recorded_data(spec_file)
+    corpus = open_store(data_dir if data_dir is not None else (recorded or {}).get("path"))
+    current = describe(corpus)
+    if recorded and recorded.get("store_digest") and current.get("store_digest") not in (None, recorded["store_digest"]):
+        print(f"smelt: {run_id} trained on token store {recorded['store_digest'][:12]} ({_where(recorded)}); "
+              f"evaluating on token store {current['store_digest'][:12]} ({_where(current)})", file=sys.stderr)
+    return corpus

@@ -366,6 +366,19 @@ def test_torn_metrics_line_does_not_swallow_the_next_record_and_the_notebook_rea
     assert list(scope["evals"]["overall"]) == [1.5]
 
 
+def test_a_phase_that_fails_before_its_first_record_leaves_no_empty_metrics_file(tmp_path):
+    """Issue item 9: a store damaged under a running trainer (found only when a batch is read) left an
+    empty metrics.jsonl. The writer now creates the file with its first record."""
+    from smelt_jax.train.metrics_log import MetricsWriter
+    metrics = tmp_path / "stable" / "metrics.jsonl"
+    with pytest.raises(RuntimeError), MetricsWriter(metrics):
+        raise RuntimeError("cannot read tokens 0..65535: the store is damaged")
+    assert not metrics.exists()
+    with MetricsWriter(metrics) as log:
+        log.write({"step": 1, "loss": 2.0})
+    assert metrics.read_text() == '{"step": 1, "loss": 2.0}\n'
+
+
 def test_metrics_writer_writes_each_line_in_one_call(tmp_path, monkeypatch):
     """Line-atomic: one os.write per record (O_APPEND), never a buffered partial line."""
     from smelt_jax.train import metrics_log

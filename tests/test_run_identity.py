@@ -61,6 +61,10 @@ def test_trained_run_records_its_data_and_resumes_on_it(tmp_path, stores, capsys
     assert _train(run.id, "--branch", "0", "--runs-dir", str(runs)) == 0
     assert rd.endpoint(0).is_file()
     assert step_metadata(rd.checkpoints(0), 4)["data_digest"] == a.digest
+    # eval without --data-dir reads the recorded store too (the embedded corpus is not built here)
+    capsys.readouterr()
+    assert main(["eval", run.id, "--branch", "0", "--runs-dir", str(runs), "--eval-tokens", "64", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["validation"]["n_tokens"] > 0
 
 
 def test_resume_and_branch_use_the_recorded_store_and_refuse_another(tmp_path, stores, capsys,
@@ -89,6 +93,23 @@ def test_resume_and_branch_use_the_recorded_store_and_refuse_another(tmp_path, s
     shutil.copytree(a.root, copy)
     assert _train(run.id, "--branch", "1", "--runs-dir", str(runs), "--data-dir", str(copy)) == 0
     assert phases[-1].corpus.root == str(copy)
+
+
+def test_eval_and_analyze_read_the_recorded_store_unless_told_otherwise(tmp_path, stores, capsys):
+    from smelt_jax.data.corpus import open_dataset
+
+    a, b = stores
+    spec = tmp_path / "run.json"
+    spec.write_text(json.dumps({"id": "r", "data": run_data.describe(a)}))
+    assert run_data.evaluation_data("r", spec, data_dir=None, open_store=open_dataset).root == a.root
+    assert capsys.readouterr().err == ""
+    # another store is allowed for evaluation, and said once, naming both
+    assert run_data.evaluation_data("r", spec, data_dir=b.root, open_store=open_dataset).root == b.root
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and a.digest[:12] in err and b.digest[:12] in err
+    # nothing recorded: the given store, or the embedded default (open_store(None))
+    spec.write_text(json.dumps({"id": "r"}))
+    assert run_data.evaluation_data("r", spec, data_dir=None, open_store=lambda path: path or "default") == "default"
 
 
 def test_an_old_run_without_a_record_is_not_checked(tmp_path, stores, capsys, monkeypatch):

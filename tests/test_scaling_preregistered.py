@@ -72,3 +72,64 @@ def test_resampling_by_run_keeps_a_runs_horizons_together():
     assert pre.fd_points(table, "smelt")["cell"].nunique() == len(F) * len(D)
     with pytest.raises(Exception, match="no endpoints"):
         pre.fd_points(table, "baseline")
+
+
+def _store_rows(law_fd, arch, pair_ids, noise=0.002, seed=0, widths=F):
+    """The results store's rows (fit_suite_table's input) for one architecture on nano's grid."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for f, pair_id in zip(widths, pair_ids):
+        for k, d in enumerate(D):
+            loss = law_fd(f, d) * np.exp(noise * rng.standard_normal())
+            rows.append({"run_id": f"{pair_id}-{arch}", "branch": k, "pair_id": pair_id, "arch": arch,
+                         "scale": pair_id.split("-")[1], "sparsity_label": "s95",
+                         "sparsity": 0.94 if arch == "baseline" else 0.96, "flops_per_token": f, "tokens": d,
+                         "val_loss": float(loss), "params": 1000})
+    return rows
+
+
+def _suite_folder(tmp_path, rows, draws=60):
+    import json
+
+    folder = tmp_path / "nano"
+    folder.mkdir()
+    pd.DataFrame(rows).to_csv(folder / "results.csv", index=False)
+    (folder / "fit.json").write_text(json.dumps({
+        "analysis": "preregistered-fd", "bootstrap_draws": draws, "seed": 0,
+        "noise_pairs": {"nano-d40-s95-seed1": "nano-d40-s95"}, "expected_points": len(F) * len(D)}))
+    return folder
+
+
+def test_the_suite_pipeline_runs_the_preregistered_test_and_keeps_the_repeat_out_of_the_fits(tmp_path):
+    from smelt_jax.scaling.pipeline import fit_suite_table
+
+    pairs = [f"nano-d{w}-s95" for w in (24, 40, 64, 96)]
+    base, better = _law(E=1.0, A=40.0, K=60.0, a=0.3, c=0.3), _law(E=1.0, A=30.0, K=60.0, a=0.3, c=0.3)
+    rows = _store_rows(base, "baseline", pairs, seed=1) + _store_rows(better, "smelt", pairs, seed=2)
+    # the repeat seed of the d40 pair: far off the law, so it would break the fit if it entered it
+    rows += _store_rows(lambda f, d: 5.0, "baseline", ["nano-d40-s95-seed1"], noise=0.0, widths=F[1:2])
+    rows += _store_rows(lambda f, d: 5.5, "smelt", ["nano-d40-s95-seed1"], noise=0.0, widths=F[1:2])
+    folder = _suite_folder(tmp_path, rows)
+    fit_suite_table(folder)
+    verdict = pd.read_csv(folder / "verdict.csv").set_index("arch")
+    assert verdict["counts"].all() and (verdict["n_points"] == 24).all(), verdict
+    gains = pd.read_csv(folder / "ce_gain.csv")
+    assert len(gains) == 3 and (gains["ce_gain"] > 0).all()
+    noise = pd.read_csv(folder / "seed_noise.csv")
+    assert len(noise) == len(D) and np.allclose(noise["baseline_repeat"], 5.0)
+    assert np.allclose(noise["delta_repeat"], 0.5) and (noise["pair_id"] == "nano-d40-s95").all()
+    counts = pd.read_csv(folder / "win_counts.csv").set_index("sparsity_label")
+    assert counts.loc["all", "wins"] == 24 and counts.loc["all", "sign_p"] == pytest.approx(2 / 2 ** 24)
+    assert (folder / "loss_vs_compute.png").exists() and (folder / "law_free.csv").exists()
+
+
+def test_partial_data_gives_a_verdict_that_does_not_count_and_no_ce_gain(tmp_path):
+    from smelt_jax.scaling.pipeline import fit_suite_table
+
+    rows = _store_rows(_law(E=1.0, A=40.0, K=60.0, a=0.3, c=0.3), "baseline", ["nano-d24-s95"], widths=F[:1])
+    folder = _suite_folder(tmp_path, rows)
+    fit_suite_table(folder)
+    verdict = pd.read_csv(folder / "verdict.csv")
+    assert list(verdict["arch"]) == ["baseline"] and not verdict["counts"].any()
+    assert "only 6 of the 24" in verdict["failed"].iloc[0]
+    assert not (folder / "ce_gain.csv").exists() and (folder / "loss_vs_compute.png").exists()

@@ -173,6 +173,17 @@ def _find_run_root(target: str, root: Path | None) -> tuple[Path, int | None, in
     return folder, None, None
 
 
+def run_corpus(loaded: LoadedModel, data_dir: str | None = None):
+    """The corpus to evaluate `loaded` on: `data_dir` when given, else the token store its run trained
+    on (run.json's record; `run_data.evaluation_data`)."""
+    from smelt_jax.data.corpus import open_dataset
+    from smelt_jax.rundir import RunDir
+    from smelt_jax.run_data import evaluation_data
+
+    run_id = str(loaded.run.get("id", loaded.run_root.name))
+    return evaluation_data(run_id, RunDir(loaded.run_root).spec_file, data_dir=data_dir, open_store=open_dataset)
+
+
 def load_model(target: str, branch: int | None = None, *, root: Path | None = None,
                step: int | None = None) -> LoadedModel:
     """Restore a trained model: `target` is a run id, a run folder, or a checkpoint folder inside one.

@@ -6,12 +6,12 @@ from pathlib import Path
 
 
 def cmd_analyze(args) -> int:
-    from smelt_jax.analysis.evaluate import load_model
+    from smelt_jax.analysis.evaluate import load_model, run_corpus
     from smelt_jax.analysis.run_analysis import analysis_tables, write_tables
-    from smelt_jax.data.corpus import open_dataset
     root = Path(args.runs_dir) if args.runs_dir else None
     loaded = load_model(args.target, args.branch, root=root)
-    tables = analysis_tables(loaded.model, open_dataset(args.data_dir), n_tokens=args.tokens,
+    corpus = run_corpus(loaded, args.data_dir)
+    tables = analysis_tables(loaded.model, corpus, n_tokens=args.tokens,
                              seq_len=args.seq_len, batch_size=args.batch_size,
                              attention_rows=args.attention_rows, dyck=not args.no_dyck,
                              dyck_shots=args.dyck_shots, dyck_examples=args.dyck_examples)
@@ -36,7 +36,7 @@ def register(subparsers) -> None:
     p.add_argument("--dyck-shots", type=int, default=4, help="Dyck examples in each prompt (default 4)")
     p.add_argument("--dyck-examples", type=int, default=16, help="Dyck queries scored (default 16)")
     p.add_argument("--no-dyck", action="store_true", help="skip the Dyck-head ablations")
-    p.add_argument("--data-dir", help="token store or corpus folder (default: the embedded corpus)")
+    p.add_argument("--data-dir", help="token store or corpus folder (default: the store the run trained on)")
     p.add_argument("--runs-dir", help="runs root (default $SMELT_RUNS_DIR or runs/)")
     p.add_argument("--out", help="output folder, local or gs://BUCKET/PATH (default <run>/<phase>/analysis)")
     p.set_defaults(handler=cmd_analyze)

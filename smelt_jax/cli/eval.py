@@ -44,13 +44,11 @@ def cmd_eval(args) -> int:
     import sys
 
     from smelt_jax.analysis.eval_estimate import estimate_eval
-    from smelt_jax.analysis.evaluate import evaluate_model, load_model, report_to_json
+    from smelt_jax.analysis.evaluate import evaluate_model, load_model, report_to_json, run_corpus
     shots = parse_shots(args.dyck_shots)
     root = Path(args.runs_dir) if args.runs_dir else None
     loaded = load_model(args.target, args.branch, root=root)
-    from smelt_jax.data.corpus import open_dataset
-
-    corpus = None if args.no_validation else open_dataset(args.data_dir)
+    corpus = None if args.no_validation else run_corpus(loaded, args.data_dir)
     seq_len = int(loaded.run["schedule"]["seq_len"])
     estimate = estimate_eval(loaded.cfg, corpus, seq_len=seq_len, eval_tokens=args.eval_tokens,
                              dyck_shots=shots, dyck_examples=args.dyck_examples, max_len=args.max_len,
@@ -83,7 +81,7 @@ def register(subparsers) -> None:
     p.add_argument("--dyck-examples", type=int, default=64, help="Dyck queries per shot count")
     p.add_argument("--eval-tokens", type=int, default=16_384, help="validation tokens per source")
     p.add_argument("--no-validation", action="store_true", help="skip the validation loss")
-    p.add_argument("--data-dir", help="token store or corpus folder (default: the embedded corpus)")
+    p.add_argument("--data-dir", help="token store or corpus folder (default: the store the run trained on)")
     p.add_argument("--runs-dir", help="runs root (default $SMELT_RUNS_DIR or runs/)")
     p.add_argument("--max-len", type=int, default=None,
                    help="longest scored text in tokens, longer ones left-truncated (default: the run's "

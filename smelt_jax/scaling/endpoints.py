@@ -12,6 +12,8 @@ val_loss, and `loss_<source>` per corpus source.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pandas as pd
 
@@ -92,10 +94,22 @@ def pair_wins(results: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
+def sign_test_p(wins: int, n: int) -> float:
+    """Two-sided exact sign test: the probability, under "each architecture wins a pair with chance 1/2",
+    of a split at least as uneven as `wins` of `n` (ties are not counted in `n`); 1.0 for n = 0."""
+    if n == 0:
+        return 1.0
+    extreme = min(wins, n - wins)
+    tail = sum(math.comb(n, k) for k in range(extreme + 1)) / 2.0 ** n
+    return float(min(1.0, 2.0 * tail))
+
+
 def _win_summary(wins: pd.DataFrame) -> dict:
-    """Wins, endpoints, mean and median delta (nats) of some `pair_wins` rows."""
+    """Wins, endpoints, mean and median delta (nats) of some `pair_wins` rows, and the sign test's p over
+    the pairs that are not tied."""
+    decided = int((wins["delta"] != 0).sum())
     return {"wins": int(wins["win"].sum()), "endpoints": len(wins), "mean_delta": float(wins["delta"].mean()),
-            "median_delta": float(wins["delta"].median())}
+            "median_delta": float(wins["delta"].median()), "sign_p": sign_test_p(int(wins["win"].sum()), decided)}
 
 
 def win_counts(wins: pd.DataFrame) -> pd.DataFrame:

@@ -18,7 +18,7 @@ import pandas as pd
 
 from smelt_jax import paper
 from smelt_jax.errors import MissingInput, UsageError
-from smelt_jax.scaling import bootstrap, endpoints, fit, gains, health, io, tables
+from smelt_jax.scaling import bootstrap, endpoints, fit, gains, health, io, preregistered, tables
 from smelt_jax.scaling.laws import LAWS, ChinchillaLaw, SmeltLaw
 
 
@@ -282,8 +282,13 @@ def gain_grid(points: pd.DataFrame) -> tuple[list[float], list[float]]:
     return computes, tables.point_sparsities(points)
 
 
-# A suite folder's fit protocol (`fits/<suite>/fit.json`; these defaults where it has none).
-DEFAULT_PROTOCOL = {"bootstrap_draws": 200, "seed": 0}
+# A suite folder's fit protocol (`fits/<suite>/fit.json`; these defaults where it has none). "analysis":
+# "smelt-law" (the paper's L(F, S, D) per architecture) or "preregistered-fd" (docs/results-nano.md:
+# L(F, D) per architecture, its pass/fail test, with "noise_pairs" {repeat pair_id: pair_id it repeats}
+# kept out of the fits and "expected_points" the endpoints per architecture the test was written for).
+DEFAULT_PROTOCOL = {"analysis": "smelt-law", "bootstrap_draws": 200, "seed": 0, "noise_pairs": {},
+                    "expected_points": None}
+ANALYSES = ("smelt-law", "preregistered-fd")
 
 
 def suite_protocol(out_dir) -> dict:
@@ -292,7 +297,13 @@ def suite_protocol(out_dir) -> dict:
     unknown = sorted(set(given) - set(DEFAULT_PROTOCOL))
     if unknown:
         raise UsageError(f"{path}: unknown key(s) {unknown}; known: {sorted(DEFAULT_PROTOCOL)}")
-    return {**DEFAULT_PROTOCOL, **given}
+    protocol = {**DEFAULT_PROTOCOL, **given}
+    if protocol["analysis"] not in ANALYSES:
+        raise UsageError(f"{path}: analysis {protocol['analysis']!r} is not one of {list(ANALYSES)}")
+    if protocol["analysis"] == "preregistered-fd" and not isinstance(protocol["expected_points"], int):
+        raise UsageError(f"{path}: the preregistered-fd analysis needs expected_points (endpoints per "
+                         "architecture the test was written for)")
+    return protocol
 
 
 # What each results-store column used by the fit must hold: (check, what it says when it fails).
@@ -367,6 +378,8 @@ def _umask() -> int:
 
 def _fit_suite_into(folder: Path, out_dir: Path, results: pd.DataFrame, protocol: dict) -> list[Path]:
     """`fit_suite_table`'s steps, written into `folder` (recording `out_dir` as the fits' input)."""
+    if protocol["analysis"] == "preregistered-fd":
+        return _preregistered_into(folder, results, protocol)
     points = endpoints.fit_points(results)
     points.to_csv(folder / "points.csv", index=False, float_format="%.8g")
     for arch in ("baseline", "smelt"):
@@ -378,6 +391,48 @@ def _fit_suite_into(folder: Path, out_dir: Path, results: pd.DataFrame, protocol
                                       "compute": computes, "sparsity": sparsities})
     return ([folder / "points.csv"] + write_tables(folder) + write_endpoint_tables(folder, results)
             + suite_extras(folder))
+
+
+def _preregistered_into(folder: Path, results: pd.DataFrame, protocol: dict) -> list[Path]:
+    """docs/results-nano.md's analysis written into `folder`: points.csv (the fitted endpoints with each
+    fit's prediction and residual), ARCH/coefficients.json, the verdict table, the law-free comparison
+    and, only when both fits count, the CE gains at three computes inside the data; the matched-pair
+    differences with their sign test, the seed noise of the repeated pairs, and the figure."""
+    fitted_rows, repeats = preregistered.split_noise_runs(results, protocol["noise_pairs"])
+    fits, verdicts, all_points = {}, {}, []
+    for arch in ("baseline", "smelt"):
+        if not (fitted_rows["arch"].astype(str) == arch).any():
+            continue
+        points = preregistered.fd_points(fitted_rows, arch)
+        fitted = preregistered.fit_fd(points, n_draws=protocol["bootstrap_draws"], seed=protocol["seed"])
+        fits[arch], verdicts[arch] = fitted, preregistered.verdict(fitted)
+        points.insert(0, "arch", arch)
+        points["predicted"] = fitted["law"].predict(points["N"], points["D"])
+        points["residual"] = points["loss"] - points["predicted"]
+        all_points.append(points)
+        (folder / arch).mkdir(exist_ok=True)
+        write_json(folder / arch / "coefficients.json",
+                   {"law": "fd", "arch": arch, **fitted["coefficients"], "rmse": fitted["rmse"],
+                    "n_points": fitted["n_points"], "intervals": fitted["intervals"],
+                    "n_converged": fitted["n_converged"], "n_draws": fitted["n_draws"],
+                    "converged": fitted["converged"], "verdict": verdicts[arch]})
+    points = pd.concat(all_points, ignore_index=True)
+    points.to_csv(folder / "points.csv", index=False, float_format="%.8g")
+    rows = preregistered.verdict_rows(fits, verdicts, protocol["expected_points"])
+    paths = [folder / "points.csv", *(folder / arch / "coefficients.json" for arch in fits)]
+    paths += tables.write_frame(folder, "verdict", rows)
+    computes = preregistered.inside_computes(points)
+    paths += tables.write_frame(folder, "law_free", preregistered.law_free(fitted_rows, computes))
+    if len(fits) == 2 and rows["counts"].all():
+        paths += tables.write_frame(folder, "ce_gain", preregistered.ce_gains(fits["baseline"], fits["smelt"], computes))
+    wins = endpoints.pair_wins(fitted_rows)
+    paths += tables.write_frame(folder, "wins", wins) + tables.write_frame(folder, "win_counts", endpoints.win_counts(wins))
+    if not repeats.empty:
+        paths += tables.write_frame(folder, "seed_noise",
+                                    preregistered.seed_noise(fitted_rows, repeats, protocol["noise_pairs"]))
+    problems = [f"{row.arch} does not count: {reason}" for row in rows.itertuples() if not row.counts
+                for reason in row.failed.split("; ")]
+    return paths + tables.fd_loss_vs_compute_figure(folder, {a: f["law"] for a, f in fits.items()}, points, problems)
 
 
 def suite_extras(out_dir) -> list[Path]:

@@ -139,3 +139,58 @@ def law_free(results: pd.DataFrame, computes, archs=("baseline", "smelt")) -> pd
         row["delta"] = row[f"loss_{archs[1]}"] - row[f"loss_{archs[0]}"]
         rows.append(row)
     return pd.DataFrame(rows)
+
+
+def split_noise_runs(results: pd.DataFrame, noise_pairs: dict[str, str]) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(the rows the fits read, the rows of the repeat-seed pairs): `noise_pairs` maps a repeat's pair_id
+    to the pair_id it repeats (fit.json's "noise_pairs"); repeats never enter a fit."""
+    repeat = results["pair_id"].astype(str).isin(noise_pairs)
+    return results[~repeat].reset_index(drop=True), results[repeat].reset_index(drop=True)
+
+
+def seed_noise(results: pd.DataFrame, repeats: pd.DataFrame, noise_pairs: dict[str, str]) -> pd.DataFrame:
+    """Per repeated pair and branch: each architecture's loss at both seeds and their difference, and the
+    difference of the pair's SMELT - Baseline delta between the seeds (nats). Branches trained at only
+    one seed are left out."""
+    rows = []
+    for repeat_id, original_id in sorted(noise_pairs.items()):
+        def losses(frame, pair_id):
+            rows_ = frame[frame["pair_id"].astype(str) == pair_id]
+            return {(str(r["arch"]), int(r["branch"])): float(r["val_loss"]) for _, r in rows_.iterrows()}
+
+        first, second = losses(results, original_id), losses(repeats, repeat_id)
+        for branch in sorted({b for _, b in first} & {b for _, b in second}):
+            keys = [(arch, branch) for arch in ("baseline", "smelt")]
+            if not all(k in first and k in second for k in keys):
+                continue
+            row = {"pair_id": original_id, "repeat": repeat_id, "branch": branch}
+            for arch, _ in keys:
+                row[f"{arch}_seed0"], row[f"{arch}_repeat"] = first[arch, branch], second[arch, branch]
+                row[f"{arch}_diff"] = second[arch, branch] - first[arch, branch]
+            row["delta_seed0"] = first["smelt", branch] - first["baseline", branch]
+            row["delta_repeat"] = second["smelt", branch] - second["baseline", branch]
+            row["delta_diff"] = row["delta_repeat"] - row["delta_seed0"]
+            rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def verdict_rows(fits: dict[str, dict], verdicts: dict[str, dict], expected_points: int) -> pd.DataFrame:
+    """One row per architecture: its fitted E, a, c with 95% intervals, the RMSE, the points fitted
+    against the pre-registered count, and whether the fit counts (with the failed criteria)."""
+    rows = []
+    for arch, fitted in fits.items():
+        iv, co = fitted["intervals"], fitted["coefficients"]
+        row = {"arch": arch, "n_points": fitted["n_points"], "expected_points": expected_points}
+        for name in ("E", "a", "c"):
+            row[name] = co[name]
+            row[f"{name}_lo"] = iv.get(name, {}).get("lo", float("nan"))
+            row[f"{name}_hi"] = iv.get(name, {}).get("hi", float("nan"))
+        row["rmse"] = fitted["rmse"]
+        row["converged_draws"] = f"{fitted['n_converged']}/{fitted['n_draws']}"
+        row["counts"] = bool(verdicts[arch]["counts"]) and fitted["n_points"] == expected_points
+        reasons = list(verdicts[arch]["failed"])
+        if fitted["n_points"] != expected_points:
+            reasons.insert(0, f"only {fitted['n_points']} of the {expected_points} pre-registered endpoints")
+        row["failed"] = "; ".join(reasons) or "-"
+        rows.append(row)
+    return pd.DataFrame(rows)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import io as _io
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -306,6 +307,56 @@ def loss_vs_compute_figure(out_dir, laws: dict, points=None, sparsities=None, co
     """`loss_vs_compute_plot` written to OUT_DIR/loss_vs_compute.{png,pdf}."""
     plt = _pyplot()
     fig = loss_vs_compute_plot(laws, points, sparsities, compute, compute_range, problems)
+    paths = _save(fig, out_dir, "loss_vs_compute")
+    plt.close(fig)
+    return paths
+
+
+def fd_loss_vs_compute_figure(out_dir, laws: dict, points, problems=()) -> list[Path]:
+    """The pre-registered analysis's figure (OUT_DIR/loss_vs_compute.{png,pdf}): each architecture's
+    fitted frontier L*(C) of L(F, D) = E + A / F^a + K / D^c (ChinchillaLaw in N = F / 6), solid over
+    the data's compute range and dashed beyond it, and its endpoints [F*D, loss] (`points`: arch, F, D,
+    loss; marker = architecture); fits that do not count are named in a red box (`problems`)."""
+    from matplotlib.lines import Line2D
+
+    compute = points["F"].to_numpy(float) * points["D"].to_numpy(float)
+    compute_range = (float(compute.min()), float(compute.max()))
+    extent = compute_axis(compute_range)
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8.4, 4.4))
+    grid = np.unique(np.concatenate([np.logspace(np.log10(extent[0]), np.log10(extent[1]), 240), compute_range]))
+    ax.axvspan(*compute_range, color="grey", alpha=0.12, linewidth=0)
+    names, handles, missing = sorted(laws), [], []
+    for name in names:
+        index = _style_index(names, name)
+        colour = _shades(plt, FAMILIES[index], 1)[0]
+        with np.errstate(all="ignore"):
+            values = laws[name].frontier_loss(grid)
+        if _segments(ax, grid, values, compute_range, colour, f"{name} frontier"):
+            handles.append(Line2D([], [], color=colour, label=f"{name} frontier"))
+        else:
+            missing.append(name)
+        keep = points["arch"].astype(str).to_numpy() == name
+        for n_value in sorted(set(points["N"][keep])):  # the fit through each width's horizons
+            d = np.geomspace(points["D"][keep].min(), points["D"][keep].max(), 60)
+            with np.errstate(all="ignore"):
+                fx, fy = _finite(6.0 * n_value * d, laws[name].predict(n_value, d))
+            ax.plot(fx, fy, ":", color=colour, linewidth=0.8, label=f"_{name} fit at N={n_value:.3g}")
+        x, y = _finite(compute[keep], points["loss"].to_numpy(float)[keep])
+        if x.size:
+            ax.scatter(x, y, s=14, color=colour, marker=MARKERS[index], label=f"_{name} endpoints")
+            handles.append(Line2D([], [], linestyle="none", marker=MARKERS[index], color=colour,
+                                  label=f"{name} endpoints"))
+    handles.append(Line2D([], [], linestyle=":", color="grey", linewidth=0.8, label="fit at each width, L(F, D)"))
+    handles += _legend_extras(plt, compute_range)
+    _note_missing(ax, missing)
+    _mark_problems(ax, [textwrap.fill(p, 70) for p in problems])
+    ax.set_xscale("log")
+    ax.set_xlim(*extent)
+    ax.set_xlabel("training compute C = F D (FLOPs)")
+    ax.set_ylabel("validation loss (nats)")
+    ax.legend(handles=handles, fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+    fig.tight_layout()
     paths = _save(fig, out_dir, "loss_vs_compute")
     plt.close(fig)
     return paths

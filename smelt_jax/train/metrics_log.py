@@ -42,8 +42,10 @@ class MetricsWriter:
             if self._object and not self._object.endswith(b"\n"):
                 self._object += b"\n"  # close a torn last line
             return
-        self._object = None
-        self.path = Path(path)
+        self._object, self._fd = None, -1
+        self.path = Path(path)  # opened at the first record: a phase that fails before it leaves no empty file
+
+    def _open(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         size = os.fstat(self._fd).st_size
@@ -58,6 +60,8 @@ class MetricsWriter:
             self._object += data
             gcs.write_bytes(self.path, bytes(self._object))
             return
+        if self._fd < 0:
+            self._open()
         view = memoryview(data)
         while view:
             written = os.write(self._fd, view)
