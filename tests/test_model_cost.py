@@ -1,6 +1,4 @@
-"""XLA's FLOP count of the compiled forward against the budget, and compile time vs depth."""
-
-import time
+"""XLA's FLOP count of the compiled forward against the budget, and the compiled program's size vs depth."""
 
 import jax
 import jax.numpy as jnp
@@ -44,17 +42,18 @@ def test_xla_flops_match_the_budget_within_ten_percent():
     assert abs(xla_flops / expected - 1) < 0.10, (xla_flops, expected)
 
 
-def _compile_seconds(cfg) -> float:
+def _compiled_lines(cfg) -> int:
     model = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
-    start = time.perf_counter()
-    _lowered_forward(model, 2, 16).compile()
-    return time.perf_counter() - start
+    return _lowered_forward(model, 2, 16).compile().as_text().count("\n")
 
 
-def test_compile_time_does_not_grow_with_depth():
-    shallow, deep = TINY, TINY.replace(n_layers=24)
-    times = {4: [], 24: []}
-    for _ in range(2):  # interleaved, best of two: the machine is shared
-        times[4].append(_compile_seconds(shallow))
-        times[24].append(_compile_seconds(deep))
-    assert min(times[24]) < 1.5 * min(times[4]), times
+def test_compiled_program_does_not_grow_with_depth():
+    """The layers are one scanned body: 24 layers compile to the program of 4 (measured 4,633 and
+    4,752 lines of optimised HLO), so compile time does not grow with depth. Counting the compiled
+    program, not timing its compile, keeps the check independent of the machine's load and of the
+    test run's compilation cache."""
+    shallow, deep = _compiled_lines(TINY), _compiled_lines(TINY.replace(n_layers=24))
+    assert deep < 1.1 * shallow, (shallow, deep)
+    unrolled = Decoder(TINY, rngs=nnx.Rngs(0))
+    unrolled.unroll_layers = True  # the check can fail: the same 4 layers unrolled are 7,851 lines
+    assert _lowered_forward(unrolled, 2, 16).compile().as_text().count("\n") > 1.5 * shallow
