@@ -48,6 +48,16 @@ def source() -> SuiteSource:
     return _SOURCE
 
 
+def names() -> tuple[str, ...]:
+    """The registered suites' names (the source's SUITE_NAMES), or () when none is registered."""
+    return tuple(getattr(_SOURCE, "SUITE_NAMES", ())) if _SOURCE is not None else ()
+
+
+def described(fallback: str = "suite name") -> str:
+    """'suite name (smelt16, ..., nanolr)' for a --suite help text: the names from the registry."""
+    return f"{fallback} ({', '.join(names())})" if names() else fallback
+
+
 def load_suite(name: str) -> tuple[RunSpec, ...]:
     return source().load_suite(name)
 

@@ -121,6 +121,7 @@ def test_the_suite_pipeline_runs_the_preregistered_test_and_keeps_the_repeat_out
     counts = pd.read_csv(folder / "win_counts.csv").set_index("sparsity_label")
     assert counts.loc["all", "wins"] == 24 and counts.loc["all", "sign_p"] == pytest.approx(2 / 2 ** 24)
     assert (folder / "loss_vs_compute.png").exists() and (folder / "law_free.csv").exists()
+    assert "**The pre-registered test passed**" in (folder / "README.md").read_text()
 
 
 def test_partial_data_gives_a_verdict_that_does_not_count_and_no_ce_gain(tmp_path):
@@ -133,3 +134,4 @@ def test_partial_data_gives_a_verdict_that_does_not_count_and_no_ce_gain(tmp_pat
     assert list(verdict["arch"]) == ["baseline"] and not verdict["counts"].any()
     assert "only 6 of the 24" in verdict["failed"].iloc[0]
     assert not (folder / "ce_gain.csv").exists() and (folder / "loss_vs_compute.png").exists()
+    assert "has not been run yet**: 6 of its 48 endpoints" in (folder / "README.md").read_text()

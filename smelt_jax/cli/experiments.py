@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from smelt_jax import suites
 from smelt_jax import budget as budget_lib
 from smelt_jax import paper
 from smelt_jax.descriptors import RunSpec
@@ -113,7 +114,7 @@ def register(subparsers) -> None:
     ex = subparsers.add_parser("experiments", help="list and show experiment descriptors")
     ex_sub = ex.add_subparsers(dest="experiments_command", metavar="ACTION")
     p = ex_sub.add_parser("list", help="runs of one suite or all, as a table or JSON")
-    p.add_argument("--suite", help="smelt16, ablations200m, micro, ablationsmicro or smoke (default: all)")
+    p.add_argument("--suite", help=suites.described("suite") + "; default: all")
     p.add_argument("--json", action="store_true", help="one JSON object per model configuration")
     p.add_argument("--runs-dir", help="also list the runs saved under this runs root that no suite "
                                       "defines (config files, overrides)")

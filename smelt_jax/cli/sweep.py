@@ -5,6 +5,7 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
+from smelt_jax import suites
 from smelt_jax.cli import filesystem_errors
 from smelt_jax.sweep.base import CAPACITIES
 from smelt_jax.sweep.graph import JobGraph, JobStatus, suite_graph
@@ -145,7 +146,7 @@ def _common(parser, *, backend_required: bool, runs_jobs: bool, submits: bool) -
     """The flags a sweep verb takes: every verb its own, so that e.g. `plan --submit` is an error.
     runs_jobs: the local backend's --parallel/--command/--quiet; submits: --submit."""
     parser.add_argument("--suite", required=True,
-                        help="suite name (smelt16, ablations200m, micro, ablationsmicro, smoke)")
+                        help=suites.described())
     parser.add_argument("--backend", choices=BACKENDS, required=backend_required,
                         help="local, xpk or tpu-vm" + ("" if backend_required else " (default local)"))
     parser.add_argument("--runs-dir", help="runs root: a local path or gs://... (default $SMELT_RUNS_DIR "
