@@ -66,6 +66,12 @@ def test_ce_gains_and_law_free_comparison_have_the_true_sign():
     assert (free["delta"] < 0).all()
 
 
+def test_a_degenerate_exponent_gives_an_infinite_A_not_an_overflow_error():
+    """Found on the nano endpoints: a bootstrap draw with a ~ 400 overflowed 6 ** a and stopped make fits."""
+    fd = pre._as_fd(ChinchillaLaw(E=1.0, A=2.0, B=3.0, alpha=400.0, beta=0.3))
+    assert fd["A"] == float("inf") and fd["a"] == 400.0 and fd["K"] == 3.0
+
+
 def test_resampling_by_run_keeps_a_runs_horizons_together():
     table = _table(_law(E=1.0, A=40.0, K=60.0, a=0.3, c=0.3), "smelt")
     assert pre.fd_points(table, "smelt", "run")["cell"].nunique() == len(F)

@@ -47,7 +47,9 @@ def fd_points(results: pd.DataFrame, arch: str, resample: str = "endpoint") -> p
 
 def _as_fd(law: ChinchillaLaw) -> dict[str, float]:
     """The fit in the page's parametrisation: A = A' 6^a so that the term reads A / F^a."""
-    return {"E": law.E, "A": law.A * 6.0 ** law.alpha, "K": law.B, "a": law.alpha, "c": law.beta}
+    with np.errstate(over="ignore"):  # a degenerate draw (a in the hundreds) gives A = inf, not an error
+        scale = float(np.power(6.0, law.alpha))
+    return {"E": law.E, "A": law.A * scale, "K": law.B, "a": law.alpha, "c": law.beta}
 
 
 def fit_fd(points: pd.DataFrame, *, n_draws: int = 2000, seed: int = 0) -> dict:
@@ -152,19 +154,19 @@ def seed_noise(results: pd.DataFrame, repeats: pd.DataFrame, noise_pairs: dict[s
     """Per repeated pair and branch: each architecture's loss at both seeds and their difference, and the
     difference of the pair's SMELT - Baseline delta between the seeds (nats). Branches trained at only
     one seed are left out."""
+    def losses(frame, pair_id):
+        chosen = frame[frame["pair_id"].astype(str) == pair_id]
+        return {(str(r["arch"]), int(r["branch"])): float(r["val_loss"]) for _, r in chosen.iterrows()}
+
     rows = []
     for repeat_id, original_id in sorted(noise_pairs.items()):
-        def losses(frame, pair_id):
-            rows_ = frame[frame["pair_id"].astype(str) == pair_id]
-            return {(str(r["arch"]), int(r["branch"])): float(r["val_loss"]) for _, r in rows_.iterrows()}
-
         first, second = losses(results, original_id), losses(repeats, repeat_id)
         for branch in sorted({b for _, b in first} & {b for _, b in second}):
-            keys = [(arch, branch) for arch in ("baseline", "smelt")]
-            if not all(k in first and k in second for k in keys):
+            archs = ("baseline", "smelt")
+            if not all((arch, branch) in first and (arch, branch) in second for arch in archs):
                 continue
             row = {"pair_id": original_id, "repeat": repeat_id, "branch": branch}
-            for arch, _ in keys:
+            for arch in archs:
                 row[f"{arch}_seed0"], row[f"{arch}_repeat"] = first[arch, branch], second[arch, branch]
                 row[f"{arch}_diff"] = second[arch, branch] - first[arch, branch]
             row["delta_seed0"] = first["smelt", branch] - first["baseline", branch]
