@@ -69,6 +69,16 @@ def check_same_data(run_id: str, recorded: dict | None, current: dict) -> None:
         "another --runs-dir)")
 
 
+def check_checkpoint_data(run_id: str, step: int, metadata: dict, current: dict) -> None:
+    """DataChanged unless the checkpoint restored at `step` (its `metadata`) was saved training on the
+    data `current` names. A checkpoint saved without a data digest, or data without one (in-memory), is
+    not checked. This catches a run.json that no longer matches its checkpoints (a runs folder copied
+    together from two places, a run.json rewritten by hand)."""
+    recorded = {"store_digest": metadata.get("data_digest"),
+                "tokenizer_sha256": metadata.get("tokenizer_sha256"), "path": f"its checkpoint at step {step}"}
+    check_same_data(run_id, recorded, current)
+
+
 def recorded_data(spec_file) -> tuple[bool, dict | None]:
     """(whether the run's run.json exists, its "data" record or None)."""
     if not storage.exists(spec_file):

@@ -53,7 +53,15 @@ def test_trained_run_records_its_data_and_resumes_on_it(tmp_path, stores, capsys
     meta = step_metadata(rd.checkpoints(None), step)
     assert meta["data_digest"] == a.digest and meta["tokenizer_sha256"] == a.tokenizer.sha256
     assert meta["step"] == step == 2
+    # run.json rewritten to name store b: the checkpoint's own record still refuses b on restore
+    record = json.loads(rd.spec_file.read_text())
+    rd.spec_file.write_text(json.dumps({**record, "data": run_data.describe(b)}))
     capsys.readouterr()
+    assert _train(run.id, "--runs-dir", str(runs), "--data-dir", b.root, "--stop-after", "3") == 2
+    err = capsys.readouterr().err
+    assert "its checkpoint at step 2" in err and a.digest[:12] in err and b.digest[:12] in err, err
+    assert committed_steps(rd.checkpoints(None))[-1] == 2  # nothing trained, nothing moved aside
+    rd.spec_file.write_text(json.dumps(record))
     assert _train(run.id, "--branch", "0", "--runs-dir", str(runs), "--data-dir", b.root) == 2
     assert "refusing" in capsys.readouterr().err
     # no --data-dir: the recorded store (the embedded corpus is never built in the tests)
@@ -136,6 +144,17 @@ def test_check_names_both_sides():
     text = str(err.value)
     assert "\n" not in text and "aaaaaaaaaaaa" in text and "bbbbbbbbbbbb" in text and "/data/b" in text
     run_data.check_same_data("r1", None, same)  # nothing recorded: no check
+
+
+def test_a_checkpoint_saved_on_other_data_is_refused():
+    current = {"store_digest": "a" * 64, "tokenizer_sha256": "t" * 64, "path": "/data/a"}
+    run_data.check_checkpoint_data("r1", 7, {"data_digest": "a" * 64, "tokenizer_sha256": "t" * 64}, current)
+    run_data.check_checkpoint_data("r1", 7, {"step": 7}, current)  # saved before checkpoints recorded data
+    with pytest.raises(run_data.DataChanged) as err:
+        run_data.check_checkpoint_data("r1", 7, {"data_digest": "b" * 64, "tokenizer_sha256": "u" * 64}, current)
+    text = str(err.value)
+    assert "its checkpoint at step 7" in text and "bbbbbbbbbbbb" in text and "aaaaaaaaaaaa" in text
+    assert "tokenizer" in text and "\n" not in text
 
 
 def test_local_sweep_passes_the_store_to_every_job(tmp_path, monkeypatch):

@@ -41,7 +41,7 @@ import os
 import shutil
 import sys
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self
 
@@ -363,12 +363,16 @@ class Checkpointer:
                                   CheckpointCorruptionWarning, stacklevel=2)
         raise CheckpointError("no usable checkpoint: " + " | ".join(errors))
 
-    def restore_state(self, target: TrainState, step: int | None = None, *,
-                      quarantine: bool = False) -> TrainState:
+    def restore_state(self, target: TrainState, step: int | None = None, *, quarantine: bool = False,
+                      check: Callable[[int, dict], None] | None = None) -> TrainState:
         """A whole `TrainState` restored into `target`'s shapes and shardings (see `restore`): its
         arrays from the `state` item, its step from the step restored and its data position from the
-        metadata (`data_step`; checkpoints without one restore with data_step = step)."""
+        metadata (`data_step`; checkpoints without one restore with data_step = step). `check(step,
+        metadata)` runs on the restored step's metadata before the state is returned (it raises to
+        refuse it: the trainer checks the data digest there)."""
         restored_step, arrays, metadata = self.restore(target.arrays(), step, quarantine=quarantine)
+        if check is not None:
+            check(restored_step, metadata)
         return target.with_arrays(arrays, step=restored_step,
                                   data_step=int(metadata.get("data_step", restored_step)))
 

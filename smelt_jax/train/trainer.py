@@ -32,7 +32,7 @@ import jax
 import numpy as np
 
 from smelt_jax import budget as budget_lib
-from smelt_jax import sharding, storage
+from smelt_jax import run_data, sharding, storage
 from smelt_jax.descriptors import Parallelism, RunSpec
 from smelt_jax.errors import SmeltError, UsageError
 from smelt_jax.rundir import RunDir, run_dir
@@ -196,6 +196,10 @@ class _Phase:
         self.is_writer = jax.process_index() == 0
         self.name = f"{run.id} {_phase_name(branch)}"
 
+    def check_data(self, step: int, metadata: dict) -> None:
+        """DataChanged when the checkpoint restored at `step` was saved training on other data."""
+        run_data.check_checkpoint_data(self.run.id, step, metadata, self.data)
+
     def check_stop(self, where: str) -> None:
         """Preempted when a signal came (nothing to save: no step advanced since the last save)."""
         if self.stop.raised:
@@ -269,9 +273,8 @@ def train(run: RunSpec, branch: int | None = None, *, root: Path | None = None, 
 
     lr_lib.phase_steps(run.schedule, branch)  # a bad branch fails before anything is written
     with StopSignal() as stop:
-        from smelt_jax.run_data import data_for_run
-        corpus, data = data_for_run(run.id, run_dir(run.suite, run.id, root).spec_file, corpus=corpus,
-                                    data_dir=data_dir, open_store=_open_store)
+        corpus, data = run_data.data_for_run(run.id, run_dir(run.suite, run.id, root).spec_file, corpus=corpus,
+                                             data_dir=data_dir, open_store=_open_store)
         run.check_data(corpus.tokenizer, f"the data at {getattr(corpus, 'root', '(in memory)')}")
         phase = _Phase(run, branch, root, corpus, options, parallelism, stop, data)
         if not phase.is_writer:
@@ -343,7 +346,7 @@ def _repair(phase: _Phase, ckpt: Checkpointer, hole: int, good: list[int]) -> No
         state = TrainState.target(phase.plan, phase.first)
         below = [s for s in good if s < hole]
         if below:
-            state = ckpt.restore_state(state, step=below[-1])
+            state = ckpt.restore_state(state, step=below[-1], check=phase.check_data)
         phase.check_stop("after restoring")
         if state.is_abstract:
             state = TrainState.initial(phase.plan, phase.tx, phase.run.schedule.seed, state.step)
@@ -359,7 +362,8 @@ def _restore(phase: _Phase, ckpt: Checkpointer) -> TrainState:
     try:
         if ckpt.latest_step() is not None:
             try:
-                state, restored = ckpt.restore_state(state, quarantine=phase.is_writer), True
+                state = ckpt.restore_state(state, quarantine=phase.is_writer, check=phase.check_data)
+                restored = True
             except CheckpointError:
                 if ckpt.latest_step() is not None:
                     raise
@@ -387,7 +391,7 @@ def _restore_fork(phase: _Phase, target: TrainState) -> TrainState:
             damage = checkpoint_damage(folder, first)
             if damage:
                 raise CheckpointError(damage)
-            return stable.restore_state(target, step=first)
+            return stable.restore_state(target, step=first, check=phase.check_data)
         except CheckpointError as err:
             raise ForkCheckpointDamaged(
                 f"branch {branch} of {run.id} forks at step {first}, but the stable checkpoint there "
