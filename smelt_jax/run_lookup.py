@@ -11,7 +11,8 @@ trained into another folder.
     load_spec_file(path)           a RunSpec from a YAML or JSON file (one-line ConfigError otherwise)
     run_to_train(...)              what `smelt train` trains: an id or a config file, then overrides
 
-On a gs:// runs root only exact ids are looked up (one object read, no listing).
+On a gs:// runs root an exact id costs one object read; a prefix lists the objects of the run folders
+it starts (`_saved_files`).
 """
 
 from __future__ import annotations
@@ -51,17 +52,34 @@ def _read_record(path) -> dict:
 
 
 def _saved_files(root, prefix: str = "") -> list:
-    """run.json files of run folders under a local root whose name starts with `prefix`; on gs:// only
-    the exact id's file (`<root>/<suite>/<id>/run.json`, the suite being the id's first field)."""
+    """run.json files of run folders `<root>/<suite>/<id>/` whose id starts with `prefix`. On gs:// an
+    exact id costs one object check; a prefix with its suite (`smoke-xs-s8`) one listing of the objects
+    of the run folders it starts; no prefix (or no suite in it) lists the whole runs root."""
     if storage.is_gcs(root):
-        suite = prefix.split("-", 1)[0]
-        url = storage.join(root, suite, prefix, "run.json")
-        return [url] if prefix and "-" in prefix and storage.exists(url) else []
+        return _saved_urls(str(root), prefix)
     root = Path(root)
     if not root.is_dir():
         return []
     return sorted(p for p in root.glob("*/*/run.json")
                   if p.parent.name.startswith(prefix) and not p.parent.parent.name.startswith("."))
+
+
+def _saved_urls(root: str, prefix: str) -> list[str]:
+    base = storage.normalize(root).rstrip("/") + "/"
+    if "-" in prefix:
+        exact = f"{base}{prefix.split('-', 1)[0]}/{prefix}/run.json"
+        if storage.exists(exact):
+            return [exact]
+        start = f"{base}{prefix.split('-', 1)[0]}/{prefix}"
+    else:
+        start = base
+    found = []
+    for url in storage.list_gcs_starting(start):
+        parts = url[len(base):].split("/")
+        if (len(parts) == 3 and parts[2] == "run.json" and parts[1].startswith(prefix)
+                and not parts[0].startswith(".")):
+            found.append(url)
+    return found
 
 
 def find_run(run_id: str, root=None) -> RunSpec:
@@ -90,13 +108,13 @@ def find_run(run_id: str, root=None) -> RunSpec:
 
 
 def saved_runs(root=None) -> tuple[list[RunSpec], list[str]]:
-    """(the runs saved under a local runs root that no suite defines, one line per run.json that does
-    not describe a run), sorted by id."""
+    """(the runs saved under a runs root, local or gs://, that no suite defines, one line per run.json
+    that does not describe a run), sorted by id."""
     root = storage.as_path(root) if root is not None else runs_root()
     runs, problems = [], []
     for path in _saved_files(root):
         try:
-            run = spec_from_record(_read_record(path), path, path.parent.name)
+            run = spec_from_record(_read_record(path), path, Path(str(path)).parent.name)
         except ConfigError as err:
             problems.append(str(err))
             continue

@@ -232,17 +232,23 @@ def _successor(prefix: str) -> str:
     return prefix[:-1] + chr(ord(prefix[-1]) + 1) if prefix else ""
 
 
+def list_gcs_starting(url: str) -> list[str]:
+    """Every object whose gs:// URL starts with `url` (a key prefix, not only a folder: `gs://b/runs/ab`
+    finds `gs://b/runs/abc/x` and `gs://b/runs/ab/y`), sorted. One listing of that key range."""
+    import tensorstore as ts
+
+    bucket, prefix = split_gcs(url)
+    keys = _bucket(bucket).list(ts.KvStore.KeyRange(prefix, _successor(prefix))).result()
+    return [f"{GCS_PREFIX}{bucket}/{name}" for name in sorted(k.decode() for k in keys)
+            if name.startswith(prefix)]
+
+
 def list_files(prefix_url) -> list[str]:
     """Every file under a directory (recursively), as full paths / URLs, sorted."""
     text = str(prefix_url)
     if is_gcs(text):
-        import tensorstore as ts
-
         bucket, key = split_gcs(text)
-        prefix = key.rstrip("/") + "/" if key else ""
-        keys = _bucket(bucket).list(ts.KvStore.KeyRange(prefix, _successor(prefix))).result()
-        names = sorted(k.decode() for k in keys if k.decode().startswith(prefix))
-        return [f"{GCS_PREFIX}{bucket}/{name}" for name in names]
+        return list_gcs_starting(f"{GCS_PREFIX}{bucket}/" + (key.rstrip("/") + "/" if key else ""))
     root = Path(text)
     if not root.is_dir():
         return []

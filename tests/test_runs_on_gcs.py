@@ -299,3 +299,31 @@ def test_analysis_tables_go_to_a_bucket(bucket_root):
     assert urls == [f"{bucket_root}/analysis/routing_overlap.csv", f"{bucket_root}/analysis/sample.csv"]
     for url, table in zip(urls, tables.values()):
         pd.testing.assert_frame_equal(pd.read_csv(io.StringIO(gcs.read_text(url))), table)
+
+
+def test_saved_runs_on_a_bucket_are_found_by_prefix_and_listed(bucket_root):
+    """A custom run saved on a gs:// runs root: found by its id, by a prefix of it (one listing of the
+    run folders it starts) and listed by `saved_runs`; a prefix of two ids is ambiguous."""
+    import dataclasses
+
+    from custom_run_helpers import TINY_SPEC, tiny_run
+
+    from smelt_jax.errors import AmbiguousName, UnknownName
+    from smelt_jax.run_lookup import find_run, saved_runs
+
+    runs = [tiny_run(), tiny_run(dict(TINY_SPEC, scale="tinier"))]
+    for run in runs:
+        rd = run_dir(run.suite, run.id, bucket_root)
+        gcs.write_json(rd.spec_file, {**run.to_dict(), "metadata": {}})
+        gcs.write_text(f"{rd.root}/stable/metrics.jsonl", "{}\n")  # other objects in the folder
+    gcs.write_text(f"{bucket_root}/custom/not-a-run.json", "{}")  # not in a run folder
+    first = runs[0]
+    assert find_run(first.id, bucket_root) == first
+    assert find_run(first.id[:len("custom-tiny-s50-")], bucket_root) == first
+    assert dataclasses.asdict(find_run(runs[1].id[:-3], bucket_root)) == dataclasses.asdict(runs[1])
+    with pytest.raises(AmbiguousName):
+        find_run("custom-tin", bucket_root)
+    with pytest.raises(UnknownName):
+        find_run("custom-huge", bucket_root)
+    listed, problems = saved_runs(bucket_root)
+    assert [r.id for r in listed] == sorted(r.id for r in runs) and problems == []
