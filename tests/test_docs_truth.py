@@ -46,8 +46,6 @@ REPO_FILES = ("README.md", "Makefile", "Dockerfile", "pyproject.toml", "setup.cf
 RUNTIME_PATHS = {
     "experiments/layouts_ablations200m.json": "written by `smelt compile-report --suite ablations200m`, "
                                               "not run yet (docs/parallelism.md says so)",
-    "experiments/checkpoint_cadence.json": "written by `smelt compile-report --suite smelt16`, which has "
-                                           "not run since the cadence was added (docs/roofline.md says so)",
     "fits/smelt16": "written by `smelt results export --suite smelt16` once smelt16 has trained "
                     "(docs/tpu-quickstart.md)",
 }
