@@ -184,6 +184,42 @@ def test_walk_charges_a_fusion_the_slices_it_reads_and_an_in_place_update_its_up
     assert walked == pytest.approx(_xla_bytes(compiled), rel=0.05)
 
 
+MULTI_OUTPUT_UPDATE_HLO = """HloModule m, is_scheduled=true
+
+%fused (p0: f32[5,64,128], p1: s32[], p2: f32[64,128], p3: f32[64,128]) -> (f32[5,64,128], f32[64,128]) {
+  %p0 = f32[5,64,128]{2,1,0} parameter(0)
+  %p2 = f32[64,128]{1,0} parameter(2)
+  %p3 = f32[64,128]{1,0} parameter(3)
+  %sum = f32[64,128]{1,0} add(%p2, %p3)
+  %row = f32[1,64,128]{2,1,0} bitcast(%sum)
+  %p1 = s32[] parameter(1)
+  %zero = s32[] constant(0)
+  %update = f32[5,64,128]{2,1,0} dynamic-update-slice(%p0, %row, %p1, %zero, %zero)
+  ROOT %out = (f32[5,64,128]{2,1,0}, f32[64,128]{1,0}) tuple(%update, %sum)
+}
+
+ENTRY %main (stack: f32[5,64,128], i: s32[], a: f32[64,128], b: f32[64,128]) -> (f32[5,64,128], f32[64,128]) {
+  %stack = f32[5,64,128]{2,1,0} parameter(0)
+  %i = s32[] parameter(1)
+  %a = f32[64,128]{1,0} parameter(2)
+  %b = f32[64,128]{1,0} parameter(3)
+  ROOT %f = (f32[5,64,128]{2,1,0}, f32[64,128]{1,0}) fusion(%stack, %i, %a, %b), kind=kLoop, calls=%fused
+}
+"""
+
+
+def test_walk_charges_a_multi_output_fusion_its_in_place_update_not_the_stack():
+    # A scan's stacked residual on TPU: a fusion whose tuple root holds an in-place update of the
+    # stack and a second output. It reads a and b, writes the stack's one row and the sum.
+    layer = 64 * 128 * 4
+    expected = 2 * layer + 4 + layer + layer  # a, b and the index read; the row and the sum written
+    assert hbm_bytes(MULTI_OUTPUT_UPDATE_HLO).total == expected
+    # the same fusion without the update in place (the root's element a plain copy of the stack) is
+    # charged the whole stack read and written
+    whole = MULTI_OUTPUT_UPDATE_HLO.replace("tuple(%update, %sum)", "tuple(%p0, %sum)")
+    assert hbm_bytes(whole).total == expected - layer + 2 * 5 * layer
+
+
 @pytest.mark.tpu
 @pytest.mark.integration
 def test_hlo_stats_on_a_real_tpu_program_with_collectives_in_a_scan():

@@ -15,8 +15,9 @@ whole stack per iteration:
 - a fusion operand that the fused computation only slices (`dynamic-slice`, `slice`, `gather`) is
   charged the bytes of the slices, not the whole operand;
 - an in-place update (`dynamic-update-slice`) is charged the update read and written, not the buffer it
-  updates (as a fusion's root on one of the fusion's operands: that operand is free and the result is
-  the update's bytes);
+  updates (as a fusion's root on one of the fusion's operands, or as an element of a multi-output
+  fusion's tuple root, the form a scan's stacked residuals take on TPU: that operand is free and that
+  output is charged the update's bytes);
 - instructions that move nothing are free: parameter, constant, get-tuple-element, tuple, bitcast,
   the `while` / `conditional` / `call` / `async-start` wrappers (the computations they run are walked),
   after-all, partition-id; reducers (`to_apply`) and fused computations are parts of one instruction.
@@ -87,13 +88,24 @@ def _fused_charges(fused: list[Instruction]) -> tuple[dict[int, float], float | 
         if uses and all(u.op in SLICING_OPS and operands(u)[:1] == [name] for u in uses):
             charges[index] = sum(shape_bytes(u.shape) for u in uses)
     root = fused[-1] if fused else None
-    result = None
-    if root is not None and root.op == "dynamic-update-slice":
-        target, update = operands(root)[:2]
-        if target in params:
-            charges[params[target]] = 0.0
-            result = shape_bytes(by_name[update].shape) if update in by_name else None
-    return charges, result
+    if root is None or root.op not in ("dynamic-update-slice", "tuple"):
+        return charges, None
+    # The root, or each element of a multi-output fusion's tuple root, that updates a parameter in
+    # place writes only its update (and does not read the rest of the buffer).
+    outputs = [root] if root.op == "dynamic-update-slice" else [by_name.get(n) for n in operands(root)]
+    result, in_place = 0.0, False
+    for output in outputs:
+        if output is None:
+            return charges, None  # an element the walk cannot see: charge the whole result
+        if output.op == "dynamic-update-slice":
+            target, update = operands(output)[:2]
+            if target in params and update in by_name:
+                charges[params[target]] = 0.0
+                result += shape_bytes(by_name[update].shape)
+                in_place = True
+                continue
+        result += shape_bytes(output.shape)
+    return charges, (result if in_place else None)
 
 
 def instruction_bytes(instruction: Instruction, shapes: dict[str, str],

@@ -113,7 +113,7 @@ class CompileReport:
 
 
 # Bump when `analyse` derives its fields differently: cached reports are then re-analysed (no recompile).
-ANALYSIS_VERSION = 2
+ANALYSIS_VERSION = 3  # 3: the HBM walk charges in-place updates in multi-output fusions their update
 
 
 def analyse(report: CompileReport, program_flops_by_kind: dict[str, float] | None, hlo_text: str | None,
