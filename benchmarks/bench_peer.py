@@ -19,7 +19,7 @@ Differences that are not shapes, stated rather than removed:
 
 Three tables, all from the same interleaved rounds: the peer table (tokens/s, GFLOP/s, ours/peer), the
 loop-overhead ratio (looped / unlooped step time against executed-FLOP ratio at the issue shapes), and
-a matched micro SMELT/Baseline pair (micro-m-s95) step-time ratio against its FLOP ratio.
+the matched SMELT/Baseline pairs' (micro-m-s95, micro-l-s97, nano) time ratio against their FLOP ratio.
 
     .venv/bin/python -m benchmarks.bench_peer            # default rounds
     SMELT_BENCH_PEER_ROUNDS=1 SMELT_BENCH_PEER_STEPS=1 .venv/bin/python -m benchmarks.bench_peer   # quick
@@ -32,11 +32,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import platform
 import statistics
 import sys
 import time
 from collections.abc import Callable
+
+from benchmarks.cpu_info import cpu_line
 
 THREADS = 2
 ROUNDS = int(os.environ.get("SMELT_BENCH_PEER_ROUNDS", "7"))  # interleaved rounds
@@ -47,7 +48,11 @@ OUR_IMPLS = ("auto", "capacity", "tiled", "ragged_dot")  # 'tiled' only where th
 # The 1-thread row is a diagnostic: on an oversubscribed machine OpenMP's 2-thread barriers stall.
 PEER_VARIANTS = ((None, THREADS), (None, 1)) + (
     (("eager", THREADS),) if os.environ.get("SMELT_BENCH_PEER_EAGER") else ())
-MICRO_PAIR = ("m", "s95")  # (scale, sparsity label) of the matched micro SMELT/Baseline pair
+# The matched SMELT/Baseline pairs timed at their runs' own shapes (issue 28's pair table): (suite, scale,
+# sparsity label); seed repeats are skipped. nano's members are small, so all four widths are timed.
+MATCHED_PAIRS = (("micro", "m", "s95"), ("micro", "l", "s97"),
+                 ("nano", "d24", "s95"), ("nano", "d40", "s95"), ("nano", "d64", "s95"), ("nano", "d96", "s95"))
+PAIR_GOAL = 1.15  # SMELT / Baseline time per token over their FLOP ratio, at most (issue 28)
 
 # The issue-17 configuration.
 SHAPES = dict(vocab=4096, d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=64,
@@ -58,7 +63,7 @@ LOOP = dict(loop_start=1, loop_length=2, loop_repeats=2)  # layers 1-2 twice: 6 
 
 @dataclasses.dataclass
 class Candidate:
-    group: str  # "peer table", "loop", "micro"
+    group: str  # "peer table", "loop", "pair"
     name: str
     tokens: int  # per step
     flops_per_token: float
@@ -219,7 +224,6 @@ def _log(*args) -> None:
 
 
 def build_candidates(log=_log) -> tuple[list[Candidate], list[str]]:
-    import experiments
     from smelt_jax.kernels.backend import EXPERT_IMPLS, choose_expert_backend
 
     notes = []
@@ -260,14 +264,25 @@ def build_candidates(log=_log) -> tuple[list[Candidate], list[str]]:
     cands[auto_at + 1:auto_at + 1] = [looped, unrolled]  # timed right after the unlooped `auto` step
     log(f"  built looped in {looped.setup_s:.1f} s {looped.error}; unrolled in {unrolled.setup_s:.1f} s "
         f"{unrolled.error}")
-    for spec in experiments.load_suite("micro"):
-        if (spec.scale, spec.sparsity_label) == MICRO_PAIR and spec.arch in ("baseline", "smelt"):
-            cand = our_candidate("micro", spec.id, spec.model, spec.schedule.batch_size,
-                                 f"{spec.arch}, batch {spec.schedule.batch_size}x{spec.schedule.seq_len}")
-            cand.note = spec.arch
-            cands.append(cand)
-            log(f"  built {spec.id} in {cand.setup_s:.1f} s {cand.error}")
+    for spec in matched_pair_specs():
+        cand = our_candidate("pair", spec.id, spec.model, spec.schedule.batch_size,
+                             f"{spec.arch}, batch {spec.schedule.batch_size}x{spec.schedule.seq_len}")
+        cand.note = f"{spec.pair_id}/{spec.arch}"
+        cands.append(cand)
+        log(f"  built {spec.id} in {cand.setup_s:.1f} s {cand.error}")
     return cands, notes
+
+
+def matched_pair_specs() -> list:
+    """The Baseline and SMELT RunSpecs of MATCHED_PAIRS, in that order (first seed only)."""
+    import experiments
+    out = []
+    for suite, scale, sparsity in MATCHED_PAIRS:
+        members = [spec for spec in experiments.load_suite(suite)
+                   if (spec.scale, spec.sparsity_label) == (scale, sparsity) and spec.arch in ("baseline", "smelt")
+                   and "seed" not in spec.id]
+        out.extend(sorted(members, key=lambda spec: spec.arch))
+    return out
 
 
 def measure(cands: list[Candidate], rounds: int = ROUNDS, steps: int = STEPS) -> None:
@@ -309,6 +324,30 @@ def _fmt_ratio(x: float) -> str:
     return f"{x:.2f}x"
 
 
+def pair_table(cands: list[Candidate]) -> str:
+    """The matched pairs at their runs' own configs and batch shapes: SMELT / Baseline time per token
+    against their executed-FLOP ratio (median of per-round ratios: the members run back to back)."""
+    out = ["\n**Matched pairs** (the runs' own configs and batch shapes, random tokens; time per token "
+           "ratio = median over rounds of SMELT / Baseline, the two timed back to back; FLOPs with the "
+           f"unembedding and full attention; goal: time / FLOP ratio <= {PAIR_GOAL}).\n",
+           "| pair | Baseline step s | SMELT step s | batch x seq | SMELT / Baseline time per token | "
+           "ratio of mins | FLOP ratio | time / FLOP ratio | <= goal |\n|---|---:|---:|---|---:|---:|---:|---:|---|"]
+    members = {c.note: c for c in cands if c.group == "pair"}
+    for pair in dict.fromkeys(note.split("/")[0] for note in members):
+        b, s = members.get(f"{pair}/baseline"), members.get(f"{pair}/smelt")
+        if not (b and s and b.times and s.times):
+            why = "; ".join(c.error for c in (b, s) if c is not None and c.error) or "not run"
+            out.append(f"| {pair} | failed: {why} | | | | | | | |")
+            continue
+        t = paired_ratio(s, b) * b.tokens / s.tokens  # per token
+        t_min = (s.min_s / s.tokens) / (b.min_s / b.tokens)
+        f = s.flops_per_token / b.flops_per_token
+        shape = s.cfg.seq_len and f"{s.tokens // s.cfg.seq_len} x {s.cfg.seq_len}"
+        out.append(f"| {pair} | {b.median_s:.3f} | {s.median_s:.3f} | {shape} | {t:.2f} | {t_min:.2f} | "
+                   f"{f:.2f} | **{t / f:.2f}** | {'yes' if t / f <= PAIR_GOAL else 'no'} |")
+    return "\n".join(out)
+
+
 def tables(cands: list[Candidate], notes: list[str], header: str) -> str:
     out = [header]
     peer = [c for c in cands if c.group == "peer table" and c.name.startswith("transformers") and c.times]
@@ -337,28 +376,7 @@ def tables(cands: list[Candidate], notes: list[str], header: str) -> str:
     for label, den in (("1+2x2+1 looped / 4-layer", unlooped),
                        (f"1+2x2+1 looped / {executed_layers(LOOP)}-layer (same executed layers)", unrolled)):
         out.append(_loop_row(label, looped, den))
-    micro = {c.note: c for c in cands if c.group == "micro"}
-    out.append(f"\n**Matched micro pair** (`micro-{MICRO_PAIR[0]}-{MICRO_PAIR[1]}`, the runs' own "
-               "configs and batch shapes, random tokens).\n")
-    out.append("| run | step s (median) | step s (min) | tokens/s | GFLOP/s |\n|---|---:|---:|---:|---:|")
-    for arch in ("baseline", "smelt"):
-        c = micro.get(arch)
-        if c is None:
-            continue
-        if c.times:
-            out.append(f"| {c.name} | {c.median_s:.3f} | {c.min_s:.3f} | {c.tokens_per_s:,.0f} | {c.gflops:.1f} |")
-        else:
-            out.append(f"| {c.name} | failed: {c.error} | | | |")
-    b, s = micro.get("baseline"), micro.get("smelt")
-    if b and s and b.times and s.times:
-        t = paired_ratio(s, b) * b.tokens / s.tokens  # per token; rounds time them back to back
-        t_min = (s.min_s / s.tokens) / (b.min_s / b.tokens)
-        f = s.flops_per_token / b.flops_per_token
-        f0 = _budget_flops(s) / _budget_flops(b)
-        out.append(f"\nSMELT / Baseline time per token **{t:.2f}** (median of per-round ratios; ratio of mins "
-                   f"{t_min:.2f}) against executed FLOPs per token "
-                   f"**{f:.2f}** (time ratio / FLOP ratio {t / f:.2f}); without the unembedding the FLOP "
-                   f"ratio is {f0:.2f} (time / that {t / f0:.2f}).")
+    out.append(pair_table(cands))
     if notes:
         out.append("\n" + "\n".join(f"- {n}" for n in notes))
     return "\n".join(out) + "\n"
@@ -386,7 +404,7 @@ def run() -> str:
         f"vocabulary 4096. Threads: torch.set_num_threads({THREADS}) (plus one diagnostic peer row at 1 "
         f"thread); {cpu_note}. "
         f"{peer_line if ok else 'Peer: not installed.'}; jax {jax.__version__}; "
-        f"{platform.machine()}, {load}. Medians of {ROUNDS} interleaved rounds x {STEPS} steps per candidate, "
+        f"{cpu_line()} at the end ({load}). Medians of {ROUNDS} interleaved rounds x {STEPS} steps per candidate, "
         "all in this one process, after one untimed (compiling / warm-up) step; setup s = build + that "
         "step (XLA's persistent compilation cache may serve the compile). GFLOP/s = tokens/s x "
         "(6 N_active incl. unembedding + 12 L_exec q_width x seq_len, full attention), one formula for "
