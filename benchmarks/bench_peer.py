@@ -404,7 +404,7 @@ def run() -> str:
         f"vocabulary 4096. Threads: torch.set_num_threads({THREADS}) (plus one diagnostic peer row at 1 "
         f"thread); {cpu_note}. "
         f"{peer_line if ok else 'Peer: not installed.'}; jax {jax.__version__}; "
-        f"{cpu_line()} at the end ({load}). Medians of {ROUNDS} interleaved rounds x {STEPS} steps per candidate, "
+        f"{cpu_line().rsplit(';', 1)[0]}; {load}. Medians of {ROUNDS} interleaved rounds x {STEPS} steps per candidate, "
         "all in this one process, after one untimed (compiling / warm-up) step; setup s = build + that "
         "step (XLA's persistent compilation cache may serve the compile). GFLOP/s = tokens/s x "
         "(6 N_active incl. unembedding + 12 L_exec q_width x seq_len, full attention), one formula for "
