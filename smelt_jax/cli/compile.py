@@ -37,7 +37,7 @@ def register(subparsers) -> None:
     p.add_argument("--remat", choices=("none", "full", "dots", "dots_no_batch"),
                    help="rematerialisation policy (default: the layout's)")
     p.add_argument("--exchange", choices=("auto", "padded", "ragged"),
-                   help="expert-parallel token exchange (default: the run's, 'auto': ragged on TPU)")
+                   help="expert-parallel token exchange (default: the run's, 'auto': padded on TPU)")
     p.add_argument("--hlo-out", metavar="FILE",
                    help="write the compiled per-device HLO text here, gzip-compressed (e.g. step.hlo.gz)")
     p.add_argument("--json", action="store_true", help="the report as one JSON object")

@@ -25,8 +25,8 @@ E_l = E / n experts (n = size of `expert`); expert e lives on device e // E_l as
    passes, recomputing each one's forward: a while loop of data-dependent length is not differentiable
    by JAX itself.
 
-Two ways to move the buffers (`ModelConfig.expert_exchange`; its default "auto" is ragged on TPU/GPU and
-padded on CPU, decided by `kernels.backend.choose_expert_exchange`):
+Two ways to move the buffers (`ModelConfig.expert_exchange`; its default "auto" is padded on TPU and CPU,
+ragged on GPU, decided by `kernels.backend.choose_expert_exchange`):
 - "padded" (runs everywhere): `all_to_all` of the whole [n, width, d] buffers, empty rows included.
 - "ragged": `jax.lax.ragged_all_to_all` sends only the filled prefix of each destination's block, into
   the same block layout on the receiver. XLA:CPU does not implement it ("UNIMPLEMENTED: HLO opcode
