@@ -76,6 +76,7 @@ class Attention(nnx.Module):
         self.wo = param(truncated_normal(rngs, (h, hd, d), INIT_STD, dtype),
                         ("heads", "head_dim", "embed"))
 
+    @jax.named_scope("attention")  # names the ops for profiles (benchmarks/bench_ops.py)
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, segment_ids: jax.Array,
                  *, cache: dict | None = None, capture: bool = False, return_probs: bool = False):
         """x [b, s, d] (compute dtype), cos/sin [b, s, hd/2], segment_ids [b, s].

@@ -89,7 +89,8 @@ class Decoder(nnx.Module):
         cfg = self.cfg
         _check_inputs(tokens, segment_ids, positions)
         compute = jnp.dtype(cfg.compute_dtype)
-        x = jnp.take(self.embedding[...], tokens, axis=0).astype(compute)
+        with jax.named_scope("embedding"):
+            x = jnp.take(self.embedding[...], tokens, axis=0).astype(compute)
         x = constrain(x, ("batch", "seq", "act_embed"))
         cos, sin = rope_angles(positions, cfg.head_dim, cfg.rope_theta)
         context = {"cos": cos, "sin": sin, "segment_ids": segment_ids,

@@ -15,6 +15,7 @@ from smelt_jax.kernels.experts import expert_ffn
 from smelt_jax.model.dispatch import Dispatch
 
 
+@jax.named_scope("experts")  # names the ops for profiles (benchmarks/bench_ops.py)
 def local_expert_outputs(tokens: jax.Array, plan: Dispatch, w_gate: jax.Array, w_up: jax.Array,
                          w_down: jax.Array, *, backend: str) -> jax.Array:
     """Sort the copies by expert (`plan.order`), run `expert_ffn`, unsort (`plan.position`)."""

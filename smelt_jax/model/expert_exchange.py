@@ -209,6 +209,7 @@ def _exchange_and_compute(x_local, ids_local, kept_local, w_gate, w_up, w_down, 
     return y.reshape(t_local, top_k, d)
 
 
+@jax.named_scope("experts")  # names the ops for profiles (benchmarks/bench_ops.py)
 def exchanged_expert_outputs(tokens: jax.Array, plan: Dispatch, w_gate: jax.Array, w_up: jax.Array,
                              w_down: jax.Array, *, backend: str, ragged: bool, mesh,
                              slack: float | None = None) -> jax.Array:

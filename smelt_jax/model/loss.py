@@ -51,6 +51,7 @@ def seq_chunk(seq_len: int, vocab: int) -> int:
     return min(chunk, seq_len)
 
 
+@jax.named_scope("unembedding_loss")  # names the ops for profiles (benchmarks/bench_ops.py)
 def unembed_cross_entropy(hidden: jax.Array, unembedding: jax.Array, targets: jax.Array, mask: jax.Array,
                           *, chunk: int | None = None, form: str | None = None
                           ) -> tuple[jax.Array, jax.Array]:

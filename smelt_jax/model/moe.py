@@ -65,6 +65,7 @@ class MoE(nnx.Module):
         self.w_down = param(truncated_normal(rngs, (e, f, d), INIT_STD, dtype),
                             ("experts", "mlp", "embed"))
 
+    @jax.named_scope("moe")  # names the ops for profiles (benchmarks/bench_ops.py)
     def __call__(self, x: jax.Array, token_mask: jax.Array):
         """x [b, s, d] (compute dtype), token_mask [b, s] bool (False = padding).
 

@@ -23,5 +23,6 @@ class RMSNorm(nnx.Module):
         self.eps = eps
         self.scale = param(jnp.ones((dim,), param_dtype), ("embed",))
 
+    @jax.named_scope("norm")  # names the ops for profiles (benchmarks/bench_ops.py)
     def __call__(self, x: jax.Array) -> jax.Array:
         return rms_norm(x, self.scale[...], self.eps)

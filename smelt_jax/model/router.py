@@ -78,6 +78,7 @@ class Router(nnx.Module):
             truncated_normal(rngs, (cfg.d_model, cfg.n_experts), INIT_STD, jnp.dtype(cfg.param_dtype)),
             ("embed", "router_experts"))
 
+    @jax.named_scope("router")  # names the ops for profiles (benchmarks/bench_ops.py)
     def __call__(self, x: jax.Array, token_mask: jax.Array) -> tuple[jax.Array, Routing]:
         """x [T, d] -> (logits [T, E] float32, Routing)."""
         logits = jnp.einsum("td,de->te", x.astype(jnp.float32), self.weight[...].astype(jnp.float32))

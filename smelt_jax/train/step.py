@@ -69,9 +69,10 @@ def make_train_step(graphdef: nnx.GraphDef, cfg: ModelConfig, tx: optax.Gradient
     def train_step(params, opt_state, batch: Batch, lr: jax.Array):
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
         (_, metrics), grads = grad_fn(params, graphdef, cfg, batch)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        updates = jax.tree.map(lambda u: (-lr * u).astype(u.dtype), updates)
-        params = optax.apply_updates(params, updates)
+        with jax.named_scope("optimizer"):
+            updates, opt_state = tx.update(grads, opt_state, params)
+            updates = jax.tree.map(lambda u: (-lr * u).astype(u.dtype), updates)
+            params = optax.apply_updates(params, updates)
         metrics = {**metrics, "grad_norm": optax.global_norm(grads), "lr": lr}
         return params, opt_state, metrics
     return train_step

@@ -1,0 +1,242 @@
+"""Where a compiled CPU program's time goes, per op kind and per model part (issue 28, item 3).
+
+XLA:CPU records one profiler event per executed thunk, named after its HLO instruction. We trace a few
+calls of a jitted function (`jax.profiler`, Perfetto JSON), look each event's name up in the compiled
+module's text, and sum the time by
+
+- **kind**: `matmul` (a fusion or op holding a dot or convolution), `gather / scatter` (gather, scatter,
+  dynamic-slice, dynamic-update-slice), `sort`, `reduction`, `copies` (copy, transpose, concatenate,
+  slice, pad, broadcast, reshape only), `elementwise` (the rest), and
+- **part**: the innermost of the model's named scopes in its JAX `op_name` metadata (attention, expert
+  FFN, router, unembedding + loss, optimizer, ...; `PARTS`), or `other`.
+
+Loops (`while`, `conditional`, `call`) are containers: their bodies' thunks are counted, the container
+itself is not. Thunk times are summed over threads, so with 2 threads the sum can exceed the wall time;
+the wall time of a call is reported beside it.
+
+    python -m benchmarks.run ops                                         # the issue-17 train step
+    XLA_FLAGS=--xla_cpu_max_isa=AVX2 python -m benchmarks.run ops        # as on an AVX2-only CPU
+
+`run()` also times the step side by side with the tiled expert FFN in one loop over the experts and split
+into one loop per thread (`kernels.tiled.expert_parts`).
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import gzip
+import json
+import re
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+
+KINDS = ("matmul", "gather / scatter", "sort", "reduction", "copies", "elementwise")
+CONTAINERS = {"while", "conditional", "call"}
+_GATHER = {"gather", "scatter", "dynamic-slice", "dynamic-update-slice"}
+_COPY = {"copy", "transpose", "concatenate", "slice", "pad", "broadcast", "reshape", "bitcast", "parameter",
+         "constant", "tuple", "get-tuple-element", "iota", "bitcast-convert"}
+# the model's named scopes (jax.named_scope in smelt_jax/model and train/step.py) -> part; the innermost
+# scope of an op's op_name wins (an expert matmul is `experts`, not `moe`)
+PARTS = {"optimizer": "optimizer", "unembedding_loss": "unembedding + loss", "router": "router",
+         "experts": "expert FFN", "moe": "MoE dispatch / combine", "attention": "attention",
+         "norm": "norms", "embedding": "embedding"}
+
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([\w\-]+)\((.*)$")
+_COMP = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+
+
+@dataclass(frozen=True)
+class Instruction:
+    name: str
+    opcode: str
+    calls: tuple[str, ...]   # called computations (fusion bodies)
+    op_name: str             # JAX metadata op_name, '' if none
+
+
+def parse_hlo(text: str) -> tuple[dict[str, Instruction], dict[str, list[Instruction]]]:
+    """Instructions by name and the instructions of each computation, from `compiled.as_text()`."""
+    instructions, computations, current = {}, collections.defaultdict(list), None
+    for line in text.splitlines():
+        comp = _COMP.match(line)
+        if comp and "=" not in line.split("{")[0].split("(")[0]:
+            current = comp.group(1)
+            continue
+        m = _INSTR.match(line)
+        if not m or current is None:
+            continue
+        name, _, opcode, rest = m.groups()
+        calls = tuple(re.findall(r"(?:calls|to_apply|body|condition|branch_computations)=\{?%?([\w.\-]+)", rest))
+        op_name = re.search(r'op_name="([^"]*)"', rest)
+        ins = Instruction(name, opcode, calls, op_name.group(1) if op_name else "")
+        instructions[name] = ins
+        computations[current].append(ins)
+    return instructions, computations
+
+
+def _opcodes(ins: Instruction, computations, seen=None) -> set[str]:
+    seen = set() if seen is None else seen
+    ops = {ins.opcode}
+    if ins.opcode == "fusion":
+        for comp in ins.calls:
+            if comp in seen:
+                continue
+            seen.add(comp)
+            for inner in computations.get(comp, ()):
+                ops |= _opcodes(inner, computations, seen)
+    return ops
+
+
+def kind_of(ins: Instruction, computations) -> str:
+    """One of KINDS for a non-container instruction (see the module docstring)."""
+    ops = _opcodes(ins, computations) - {"fusion"}
+    if ops & {"dot", "convolution"} or (ins.opcode == "custom-call" and "matmul" in ins.op_name.lower()):
+        return "matmul"
+    if ops & _GATHER:
+        return "gather / scatter"
+    if "sort" in ops:
+        return "sort"
+    if ops & {"reduce", "reduce-window", "select-and-scatter"}:
+        return "reduction"
+    if ops <= _COPY:
+        return "copies"
+    return "elementwise"
+
+
+def part_of(op_name: str) -> str:
+    """The part of the innermost named scope in `op_name`, e.g. 'jit(train_step)/transpose(jvp(attention))/
+    dot_general' -> 'attention'; 'other' (residual adds, loss scalars, the scan's own bookkeeping) else."""
+    scopes = re.findall(r"[\w.]+", op_name)
+    for scope in reversed(scopes):
+        if scope in PARTS:
+            return PARTS[scope]
+    return "other"
+
+
+def _fusion_op_name(ins: Instruction, computations) -> str:
+    """A fusion's own op_name, or failing that the longest op_name inside it."""
+    if ins.op_name or ins.opcode != "fusion":
+        return ins.op_name
+    names = [i.op_name for c in ins.calls for i in computations.get(c, ())]
+    return max(names, key=len, default="")
+
+
+@dataclass(frozen=True)
+class Profile:
+    wall_ms: float                          # median wall time of one call
+    by_kind: dict[str, float]               # ms per call, summed over threads
+    by_part: dict[str, dict[str, float]]    # part -> kind -> ms per call
+    top: list[tuple[str, str, str, float]]  # (instruction, kind, part, ms per call), largest first
+
+
+def profile(fn, *args, calls: int = 3) -> Profile:
+    """Trace `calls` executions of the jitted `fn(*args)` (compiled first, untimed) and split their time."""
+    import jax
+
+    compiled = fn.lower(*args).compile()
+    instructions, computations = parse_hlo(compiled.as_text())
+    jax.block_until_ready(compiled(*args))
+    walls = []
+    with tempfile.TemporaryDirectory() as tmp:
+        jax.profiler.start_trace(tmp, create_perfetto_trace=True)
+        for _ in range(calls):
+            started = time.perf_counter()
+            jax.block_until_ready(compiled(*args))
+            walls.append(time.perf_counter() - started)
+        jax.profiler.stop_trace()
+        (path,) = glob.glob(f"{tmp}/**/*.trace.json.gz", recursive=True)
+        events = json.load(gzip.open(path))
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    per_instr: dict[str, float] = collections.Counter()
+    for e in events:
+        if e.get("ph") == "X" and e.get("name") in instructions:
+            per_instr[e["name"]] += e.get("dur", 0.0) / 1e3 / calls
+    by_kind = dict.fromkeys(KINDS, 0.0)
+    by_part: dict[str, dict[str, float]] = collections.defaultdict(lambda: dict.fromkeys(KINDS, 0.0))
+    top = []
+    for name, ms in per_instr.items():
+        ins = instructions[name]
+        if ins.opcode in CONTAINERS:
+            continue
+        kind, part = kind_of(ins, computations), part_of(_fusion_op_name(ins, computations))
+        by_kind[kind] += ms
+        by_part[part][kind] += ms
+        top.append((name, kind, part, ms))
+    top.sort(key=lambda t: -t[3])
+    return Profile(statistics.median(walls) * 1e3, by_kind, dict(by_part), top)
+
+
+def table(prof: Profile, title: str, n_top: int = 12) -> str:
+    total = sum(prof.by_kind.values()) or float("nan")
+    lines = [f"**{title}**: {prof.wall_ms:.0f} ms a call (wall, median); thunk time summed over threads "
+             f"{total:.0f} ms.", "",
+             "| part | " + " | ".join(KINDS) + " | all | share |",
+             "|---|" + "---:|" * (len(KINDS) + 2)]
+    for part, kinds in sorted(prof.by_part.items(), key=lambda kv: -sum(kv[1].values())):
+        row = sum(kinds.values())
+        lines.append(f"| {part} | " + " | ".join(f"{kinds[k]:.1f}" for k in KINDS)
+                     + f" | {row:.1f} | {row / total:.0%} |")
+    lines.append("| **all** | " + " | ".join(f"**{prof.by_kind[k]:.1f}**" for k in KINDS)
+                 + f" | **{total:.1f}** | 100% |")
+    lines.append("| share | " + " | ".join(f"{prof.by_kind[k] / total:.0%}" for k in KINDS) + " | | |")
+    lines += ["", "| largest thunks | kind | part | ms |", "|---|---|---|---:|"]
+    lines += [f"| `{n}` | {k} | {p} | {ms:.1f} |" for n, k, p, ms in prof.top[:n_top]]
+    return "\n".join(lines) + "\n"
+
+
+def _split_vs_one_loop(args, graphdef, cfg, tx, rounds: int = 9) -> str:
+    import jax
+
+    from smelt_jax.kernels import tiled
+    from smelt_jax.train.step import make_train_step
+
+    parts = tiled.expert_parts
+    compiled = {}
+    try:
+        for name, threads in (("one loop over the experts", 1), ("one loop per thread (the default)", None)):
+            tiled.expert_parts = lambda n, threads=None, fixed=threads: parts(n, fixed)
+            compiled[name] = jax.jit(make_train_step(graphdef, cfg, tx)).lower(*args).compile()
+    finally:
+        tiled.expert_parts = parts
+    times = {name: [] for name in compiled}
+    for _ in range(rounds):
+        for name, step in compiled.items():
+            started = time.perf_counter()
+            jax.block_until_ready(step(*args))
+            times[name].append(time.perf_counter() - started)
+    base = statistics.median(times["one loop over the experts"])
+    lines = [f"Train step with the tiled expert FFN's loops ({len(parts(cfg.n_experts))} parts here), "
+             f"medians of {rounds} interleaved rounds:", "",
+             "| expert loops | step s (median) | step s (min) | speed-up |", "|---|---:|---:|---:|"]
+    lines += [f"| {n} | {statistics.median(v):.3f} | {min(v):.3f} | {base / statistics.median(v):.2f}x |"
+              for n, v in times.items()]
+    return "\n".join(lines) + "\n"
+
+
+def run() -> str:
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks.bench_peer import BATCH, _synthetic_batch, issue_config
+    from benchmarks.cpu_info import cpu_line
+    from smelt_jax.config import Schedule
+    from smelt_jax.train.state import init_params
+    from smelt_jax.train.step import make_train_step, optimizer
+
+    cfg = issue_config(expert_impl="auto")
+    sched = Schedule(batch_size=BATCH, seq_len=cfg.seq_len, stable_steps=1, fork_steps=(1,), decay_steps=1,
+                     warmup_steps=0, peak_lr=1e-3)
+    graphdef, params = init_params(cfg, 0)
+    tx = optimizer(sched)
+    opt = tx.init(params)
+    batch = jax.device_put(_synthetic_batch(BATCH, cfg.seq_len, cfg.vocab))
+    args = (params, opt, batch, jnp.float32(1e-3))
+    prof = profile(jax.jit(make_train_step(graphdef, cfg, tx)), *args)
+    return (cpu_line() + f"; jax {jax.__version__}.\n\n" + table(prof, "issue-17 train step, expert_impl auto")
+            + "\n" + _split_vs_one_loop(args, graphdef, cfg, tx))
+
+
+if __name__ == "__main__":
+    print(run())
