@@ -16,9 +16,6 @@ the wall time of a call is reported beside it.
 
     python -m benchmarks.run ops                                         # the issue-17 train step
     XLA_FLAGS=--xla_cpu_max_isa=AVX2 python -m benchmarks.run ops        # as on an AVX2-only CPU
-
-`run()` also times the step side by side with the tiled expert FFN in one loop over the experts and split
-into one loop per thread (`kernels.tiled.expert_parts`).
 """
 
 from __future__ import annotations
@@ -186,35 +183,6 @@ def table(prof: Profile, title: str, n_top: int = 12) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _split_vs_one_loop(args, graphdef, cfg, tx, rounds: int = 9) -> str:
-    import jax
-
-    from smelt_jax.kernels import tiled
-    from smelt_jax.train.step import make_train_step
-
-    parts = tiled.expert_parts
-    compiled = {}
-    try:
-        for name, threads in (("one loop over the experts", 1), ("one loop per thread (the default)", None)):
-            tiled.expert_parts = lambda n, threads=None, fixed=threads: parts(n, fixed)
-            compiled[name] = jax.jit(make_train_step(graphdef, cfg, tx)).lower(*args).compile()
-    finally:
-        tiled.expert_parts = parts
-    times = {name: [] for name in compiled}
-    for _ in range(rounds):
-        for name, step in compiled.items():
-            started = time.perf_counter()
-            jax.block_until_ready(step(*args))
-            times[name].append(time.perf_counter() - started)
-    base = statistics.median(times["one loop over the experts"])
-    lines = [f"Train step with the tiled expert FFN's loops ({len(parts(cfg.n_experts))} parts here), "
-             f"medians of {rounds} interleaved rounds:", "",
-             "| expert loops | step s (median) | step s (min) | speed-up |", "|---|---:|---:|---:|"]
-    lines += [f"| {n} | {statistics.median(v):.3f} | {min(v):.3f} | {base / statistics.median(v):.2f}x |"
-              for n, v in times.items()]
-    return "\n".join(lines) + "\n"
-
-
 def run() -> str:
     import jax
     import jax.numpy as jnp
@@ -234,8 +202,7 @@ def run() -> str:
     batch = jax.device_put(_synthetic_batch(BATCH, cfg.seq_len, cfg.vocab))
     args = (params, opt, batch, jnp.float32(1e-3))
     prof = profile(jax.jit(make_train_step(graphdef, cfg, tx)), *args)
-    return (cpu_line() + f"; jax {jax.__version__}.\n\n" + table(prof, "issue-17 train step, expert_impl auto")
-            + "\n" + _split_vs_one_loop(args, graphdef, cfg, tx))
+    return cpu_line() + f"; jax {jax.__version__}.\n\n" + table(prof, "issue-17 train step, expert_impl auto")
 
 
 if __name__ == "__main__":

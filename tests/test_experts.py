@@ -111,16 +111,9 @@ TILED_CASES = {
 }
 
 
-@pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("case", list(TILED_CASES))
-def test_tiled_backend_chunk_edges_match_float64_and_dense(case, threads, monkeypatch):
-    """Forward against the float64 row-by-row definition and the dense backend, gradients against dense,
-    with the experts in one loop and in three (`expert_parts`; the other tests split them by the machine's
-    cores): a part's last chunk spills into the next part's rows, and an empty expert can end a part."""
-    from smelt_jax.kernels import tiled
-
-    parts = tiled.expert_parts
-    monkeypatch.setattr(tiled, "expert_parts", lambda n, threads=threads: parts(n, threads))
+def test_tiled_backend_chunk_edges_match_float64_and_dense(case):
+    """Forward against the float64 row-by-row definition and the dense backend, gradients against dense."""
     sizes, m = TILED_CASES[case]
     keys = jax.random.split(jax.random.key(7), 5)
     n, d, f = len(sizes), 12, 20
@@ -170,15 +163,6 @@ def test_tiled_computes_at_most_1_25x_the_routed_rows_at_micro_and_nano_shapes()
         if (m - n_experts) % 8 == 0:  # then every group of `worst` is one row past a multiple of 8
             assert computed_rows(worst) == padded_rows(m, n_experts)  # the bound is tight
     assert computed_rows([0, 0, 301, 0]) == 304 and computed_rows([8, 16, 0]) == 24
-
-
-def test_expert_parts_cover_the_experts_in_order():
-    from smelt_jax.kernels.tiled import expert_parts
-
-    assert expert_parts(16, 2) == [(0, 8), (8, 16)]
-    assert expert_parts(5, 3) == [(0, 2), (2, 3), (3, 5)]
-    assert expert_parts(3, 8) == [(0, 1), (1, 2), (2, 3)]
-    assert expert_parts(7, 1) == [(0, 7)]
 
 
 class _Mesh:

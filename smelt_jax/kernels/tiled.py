@@ -14,13 +14,6 @@ micro and nano shape: tests/test_experts.py). A last chunk that runs past its gr
 next group, which that group's own chunks overwrite later (groups run in order); rows past sum(g) are
 zeroed at the end.
 
-The experts are split into `expert_parts` contiguous ranges, one per CPU thread, each its own loop with its
-own output buffer; the parts' rows are then selected by which part owns them (a part's spill into the next
-part's rows is dropped). XLA:CPU runs independent loops on different threads, while one loop's chunk
-matmuls (<= 256 rows) ran on one: the issue-17 step's expert FFN took the same time at 1 and 2 threads.
-Side by side (benchmarks/bench_ops.py) the split took the whole step from 1.369 to 1.275 s (median of 9,
-2 cores). The numbers do not depend on the split.
-
 The backward is a `custom_vjp` with the same loop (while loops have no reverse-mode autodiff): per chunk
 the gate and up projections are recomputed, the chunk's output cotangent is masked to its group, and the
 expert's three weight gradients are accumulated in float32 over its chunks.
@@ -36,8 +29,6 @@ the micro shapes) in benchmarks/bench_tiles.py and docs/kernels.md.
 """
 
 from __future__ import annotations
-
-import os
 
 import jax
 import jax.numpy as jnp
@@ -87,24 +78,6 @@ def _valid_rows(m, group_sizes):
     return (jnp.arange(m) < jnp.sum(group_sizes))[:, None]
 
 
-def expert_parts(n_experts: int, threads: int | None = None) -> list[tuple[int, int]]:
-    """The experts split into contiguous ranges [lo, hi), one independent loop each: XLA:CPU runs
-    independent loops on different threads, while one loop's small chunk matmuls use one thread (the
-    issue-17 step's expert FFN took the same time at 1 and 2 threads before this split). threads: the
-    CPUs this process may use (None: its affinity mask)."""
-    if threads is None:
-        threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    parts = max(1, min(threads, n_experts))
-    bounds = np.linspace(0, n_experts, parts + 1).round().astype(int)
-    return [(int(lo), int(hi)) for lo, hi in zip(bounds[:-1], bounds[1:]) if hi > lo]
-
-
-def _in_part(n_rows, starts, group_sizes, lo, hi):
-    """[n_rows, 1] bool: rows owned by experts [lo, hi) (a part's last chunk may spill past them)."""
-    rows = jnp.arange(n_rows)
-    return ((rows >= starts[lo]) & (rows < starts[hi - 1] + group_sizes[hi - 1]))[:, None]
-
-
 def _forward(x, w_gate, w_up, w_down, group_sizes):
     m = x.shape[0]
     padded = jnp.pad(x, ((0, CHUNKS[0]), (0, 0)))  # a chunk never starts past m, so it always fits
@@ -122,10 +95,7 @@ def _forward(x, w_gate, w_up, w_down, group_sizes):
 
         return _over_chunks(starts[e], group_sizes[e], chunk, out)
 
-    out = jnp.zeros_like(padded)
-    for lo, hi in expert_parts(w_gate.shape[0]):
-        part = jax.lax.fori_loop(lo, hi, expert, jnp.zeros_like(padded))
-        out = jnp.where(_in_part(out.shape[0], starts, group_sizes, lo, hi), part, out)
+    out = jax.lax.fori_loop(0, w_gate.shape[0], expert, jnp.zeros_like(padded))
     return jnp.where(_valid_rows(m, group_sizes), out[:m], jnp.zeros((), x.dtype))
 
 
@@ -136,48 +106,38 @@ def _backward(x, w_gate, w_up, w_down, group_sizes, dy):
     padded, dy_padded = jnp.pad(x, pad), jnp.pad(dy, pad)
     starts = _starts(group_sizes)
 
-    def part_grads(lo, hi):
-        def expert(e, grads):
-            dx, dwg_all, dwu_all, dwd_all = grads
-            wg, wu, wd = w_gate[e], w_up[e], w_down[e]
-            end = starts[e] + group_sizes[e]
+    def expert(e, grads):
+        dx, dwg_all, dwu_all, dwd_all = grads
+        wg, wu, wd = w_gate[e], w_up[e], w_down[e]
+        end = starts[e] + group_sizes[e]
 
-            def chunk(row, n, acc):
-                dx, dwg, dwu, dwd = acc
-                xc = jax.lax.dynamic_slice_in_dim(padded, row, n, 0)
-                dyc = jax.lax.dynamic_slice_in_dim(dy_padded, row, n, 0)
-                dyc = jnp.where((row + jnp.arange(n) < end)[:, None], dyc, jnp.zeros((), dyc.dtype))
-                gate = jnp.dot(xc, wg, preferred_element_type=jnp.float32)
-                up = jnp.dot(xc, wu, preferred_element_type=jnp.float32)
-                sig = jax.nn.sigmoid(gate)
-                silu = gate * sig
-                hidden = (silu * up).astype(x.dtype)
-                dwd = dwd + jnp.dot(hidden.T, dyc, preferred_element_type=jnp.float32)
-                dh = jnp.dot(dyc, wd.T, preferred_element_type=jnp.float32).astype(x.dtype).astype(jnp.float32)
-                dup = (dh * silu).astype(x.dtype)
-                dgate = (dh * up * sig * (1.0 + gate * (1.0 - sig))).astype(x.dtype)
-                dwg = dwg + jnp.dot(xc.T, dgate, preferred_element_type=jnp.float32)
-                dwu = dwu + jnp.dot(xc.T, dup, preferred_element_type=jnp.float32)
-                dxc = (jnp.dot(dgate, wg.T, preferred_element_type=jnp.float32)
-                       + jnp.dot(dup, wu.T, preferred_element_type=jnp.float32)).astype(x.dtype)
-                return jax.lax.dynamic_update_slice_in_dim(dx, dxc, row, 0), dwg, dwu, dwd
+        def chunk(row, n, acc):
+            dx, dwg, dwu, dwd = acc
+            xc = jax.lax.dynamic_slice_in_dim(padded, row, n, 0)
+            dyc = jax.lax.dynamic_slice_in_dim(dy_padded, row, n, 0)
+            dyc = jnp.where((row + jnp.arange(n) < end)[:, None], dyc, jnp.zeros((), dyc.dtype))
+            gate = jnp.dot(xc, wg, preferred_element_type=jnp.float32)
+            up = jnp.dot(xc, wu, preferred_element_type=jnp.float32)
+            sig = jax.nn.sigmoid(gate)
+            silu = gate * sig
+            hidden = (silu * up).astype(x.dtype)
+            dwd = dwd + jnp.dot(hidden.T, dyc, preferred_element_type=jnp.float32)
+            dh = jnp.dot(dyc, wd.T, preferred_element_type=jnp.float32).astype(x.dtype).astype(jnp.float32)
+            dup = (dh * silu).astype(x.dtype)
+            dgate = (dh * up * sig * (1.0 + gate * (1.0 - sig))).astype(x.dtype)
+            dwg = dwg + jnp.dot(xc.T, dgate, preferred_element_type=jnp.float32)
+            dwu = dwu + jnp.dot(xc.T, dup, preferred_element_type=jnp.float32)
+            dxc = (jnp.dot(dgate, wg.T, preferred_element_type=jnp.float32)
+                   + jnp.dot(dup, wu.T, preferred_element_type=jnp.float32)).astype(x.dtype)
+            return jax.lax.dynamic_update_slice_in_dim(dx, dxc, row, 0), dwg, dwu, dwd
 
-            zeros = [jnp.zeros(w.shape[1:], jnp.float32) for w in (w_gate, w_up, w_down)]
-            dx, dwg, dwu, dwd = _over_chunks(starts[e], group_sizes[e], chunk, (dx, *zeros))
-            i = e - lo
-            return (dx, dwg_all.at[i].set(dwg.astype(w_gate.dtype)), dwu_all.at[i].set(dwu.astype(w_up.dtype)),
-                    dwd_all.at[i].set(dwd.astype(w_down.dtype)))
+        zeros = [jnp.zeros(w.shape[1:], jnp.float32) for w in (w_gate, w_up, w_down)]
+        dx, dwg, dwu, dwd = _over_chunks(starts[e], group_sizes[e], chunk, (dx, *zeros))
+        return (dx, dwg_all.at[e].set(dwg.astype(w_gate.dtype)), dwu_all.at[e].set(dwu.astype(w_up.dtype)),
+                dwd_all.at[e].set(dwd.astype(w_down.dtype)))
 
-        init = (jnp.zeros_like(padded),) + tuple(jnp.zeros_like(w[lo:hi]) for w in (w_gate, w_up, w_down))
-        return jax.lax.fori_loop(lo, hi, expert, init)
-
-    dx = jnp.zeros_like(padded)
-    dws = []
-    for lo, hi in expert_parts(w_gate.shape[0]):
-        part_dx, *part_dw = part_grads(lo, hi)
-        dx = jnp.where(_in_part(dx.shape[0], starts, group_sizes, lo, hi), part_dx, dx)
-        dws.append(part_dw)
-    dwg, dwu, dwd = (jnp.concatenate(ws, axis=0) for ws in zip(*dws))
+    init = (jnp.zeros_like(padded), jnp.zeros_like(w_gate), jnp.zeros_like(w_up), jnp.zeros_like(w_down))
+    dx, dwg, dwu, dwd = jax.lax.fori_loop(0, w_gate.shape[0], expert, init)
     dx = jnp.where(_valid_rows(m, group_sizes), dx[:m], jnp.zeros((), x.dtype))
     return dx, dwg, dwu, dwd
 
