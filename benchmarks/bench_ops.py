@@ -187,21 +187,12 @@ def run() -> str:
     import jax
     import jax.numpy as jnp
 
-    from benchmarks.bench_peer import BATCH, _synthetic_batch, issue_config
+    from benchmarks.bench_step_parts import issue_step_inputs
     from benchmarks.cpu_info import cpu_line
-    from smelt_jax.config import Schedule
-    from smelt_jax.train.state import init_params
-    from smelt_jax.train.step import make_train_step, optimizer
+    from smelt_jax.train.step import make_train_step
 
-    cfg = issue_config(expert_impl="auto")
-    sched = Schedule(batch_size=BATCH, seq_len=cfg.seq_len, stable_steps=1, fork_steps=(1,), decay_steps=1,
-                     warmup_steps=0, peak_lr=1e-3)
-    graphdef, params = init_params(cfg, 0)
-    tx = optimizer(sched)
-    opt = tx.init(params)
-    batch = jax.device_put(_synthetic_batch(BATCH, cfg.seq_len, cfg.vocab))
-    args = (params, opt, batch, jnp.float32(1e-3))
-    prof = profile(jax.jit(make_train_step(graphdef, cfg, tx)), *args)
+    cfg, graphdef, params, tx, opt, batch = issue_step_inputs()
+    prof = profile(jax.jit(make_train_step(graphdef, cfg, tx)), params, opt, batch, jnp.float32(1e-3))
     return cpu_line() + f"; jax {jax.__version__}.\n\n" + table(prof, "issue-17 train step, expert_impl auto")
 
 

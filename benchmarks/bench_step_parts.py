@@ -21,31 +21,41 @@ def _median_ms(fn, *args, n: int = 9) -> float:
     return statistics.median(times) * 1e3
 
 
+def issue_step_inputs():
+    """(cfg, graphdef, params, tx, opt_state, batch) of the issue-17 train step, expert_impl auto."""
+    import jax
+
+    from benchmarks.bench_peer import BATCH, _synthetic_batch, issue_config
+    from smelt_jax.config import Schedule
+    from smelt_jax.train.state import init_params
+    from smelt_jax.train.step import optimizer
+
+    cfg = issue_config(expert_impl="auto")
+    sched = Schedule(batch_size=BATCH, seq_len=cfg.seq_len, stable_steps=1, fork_steps=(1,), decay_steps=1,
+                     warmup_steps=0, peak_lr=1e-3)
+    graphdef, params = init_params(cfg, 0)
+    tx = optimizer(sched)
+    batch = jax.device_put(_synthetic_batch(BATCH, cfg.seq_len, cfg.vocab))
+    return cfg, graphdef, params, tx, tx.init(params), batch
+
+
 def run() -> str:
     import jax
     import jax.numpy as jnp
     import numpy as np
     from flax import nnx
 
-    from benchmarks.bench_peer import BATCH, _synthetic_batch, issue_config
+    from benchmarks.bench_peer import BATCH
     from benchmarks.cpu_info import cpu_line
-    from smelt_jax.config import Schedule
     from smelt_jax.kernels.tiled import tiled_expert_ffn
     from smelt_jax.model.attention import Attention
     from smelt_jax.model.moe import MoE
     from smelt_jax.model.rope import rope_angles
-    from smelt_jax.train.state import init_params
     from smelt_jax.model.loss import cross_entropy, unembed_cross_entropy
-    from smelt_jax.train.step import loss_fn, make_train_step, optimizer
+    from smelt_jax.train.step import loss_fn, make_train_step
 
-    cfg = issue_config(expert_impl="auto")
+    cfg, graphdef, params, tx, opt, batch = issue_step_inputs()
     rows = []
-    sched = Schedule(batch_size=BATCH, seq_len=cfg.seq_len, stable_steps=1, fork_steps=(1,), decay_steps=1,
-                     warmup_steps=0, peak_lr=1e-3)
-    graphdef, params = init_params(cfg, 0)
-    tx = optimizer(sched)
-    opt = tx.init(params)
-    batch = jax.device_put(_synthetic_batch(BATCH, cfg.seq_len, cfg.vocab))
     step = jax.jit(make_train_step(graphdef, cfg, tx))
     rows.append(("train step", _median_ms(lambda p, o: step(p, o, batch, jnp.float32(1e-3))[2]["loss"],
                                           params, opt)))
