@@ -44,7 +44,10 @@ def test_cache_holds_one_slot_per_executed_layer(cfg):
     assert cache_entries_per_token(cache) == budget.kv_per_token(cfg)
 
 
-def test_prefill_and_steps_reproduce_the_full_forward(model):
+@pytest.mark.parametrize("layer_loop", ["scan", "unrolled"])  # TPU's and CPU's layer loops
+def test_prefill_and_steps_reproduce_the_full_forward(model, layer_loop):
+    model = nnx.clone(model)
+    model.layer_loop = layer_loop
     tokens = jax.random.randint(jax.random.key(0), (2, TOTAL), 0, TINY.vocab, jnp.int32)
     # Row 0 packs two documents (6 + 10 tokens); row 1 is one document.
     segments = jnp.array([[1] * 6 + [2] * 10, [1] * 16], jnp.int32)

@@ -191,6 +191,35 @@ def test_remat_does_not_change_gradients_and_the_loop_weights_learn():
     assert float(jnp.max(jnp.abs(grads_plain["loop"]["moe"]["w_down"][...]))) > 0
 
 
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_scanned_and_unrolled_layers_give_the_same_numbers(remat):
+    """The two layer loops of kernels/backend.py (scan on TPU/GPU, a Python loop on CPU): same loss,
+    aux, gradients and captures, with the loop's shared weights visited twice."""
+    batch = _batch()
+    models = {}
+    for loop in ("scan", "unrolled"):
+        models[loop] = Decoder(TINY, rngs=nnx.Rngs(0), remat=remat)
+        models[loop].layer_loop = loop
+    (loss_s, grads_s), (loss_u, grads_u) = (_loss_and_grads(models[k], batch) for k in ("scan", "unrolled"))
+    np.testing.assert_allclose(float(loss_u), float(loss_s), rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(grads_s), jax.tree.leaves(grads_u), strict=True):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-7)
+    (_, aux_s), (_, aux_u) = (_forward(models[k], *batch, capture=True) for k in ("scan", "unrolled"))
+    assert jax.tree.structure(aux_s) == jax.tree.structure(aux_u)
+    for a, b in zip(jax.tree.leaves(aux_s), jax.tree.leaves(aux_u), strict=True):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="layer loop"):
+        models["scan"].layer_loop = "while"
+        _forward(models["scan"], *batch)
+
+
+def test_the_layer_loop_is_chosen_by_platform():
+    from smelt_jax.kernels.backend import choose_layer_loop
+    assert choose_layer_loop("auto", "cpu") == "unrolled"
+    assert choose_layer_loop("auto", "tpu") == choose_layer_loop("auto", "cuda") == "scan"
+    assert choose_layer_loop("scan", "cpu") == "scan" and choose_layer_loop("unrolled", "tpu") == "unrolled"
+
+
 def test_bfloat16_compute_tracks_float32(tiny_model):
     batch = _batch()
     bf16 = Decoder(TINY.replace(compute_dtype="bfloat16"), rngs=nnx.Rngs(0))

@@ -1,6 +1,6 @@
 """The one place that decides which backends run: `choose_expert_backend` (the expert FFN),
 `choose_expert_exchange` (how expert parallelism moves tokens), `choose_attention_backend` and
-`choose_unembedding_form` (the loss's matmul form).
+`choose_unembedding_form` (the loss's matmul form) and `choose_layer_loop` (how a stack of layers is iterated).
 
 Every caller asks this function: `ModelConfig` validates `expert_impl` against `EXPERT_IMPLS`, the MoE
 layer and `expert_ffn` resolve through it, and the ahead-of-time compile report asks it for a TPU
@@ -32,6 +32,12 @@ Rules:
   makes a transposed copy (145 vs 76 ms at the issue-17 shapes), while on TPU the 2-D form raised the
   temporaries of smelt16 (20.6 -> 24.2 GiB on v5p-128). The platform is the traced mesh's when it names
   one (an ahead-of-time TPU compile traces on the CPU under a TPU mesh).
+- A stack of layers (and the loop's visits) runs as a `lax.scan` on TPU and GPU (one compiled body for
+  any depth) and as a Python loop (`unrolled`) on CPU: there the scan's stacked per-layer residuals are
+  zero-filled and written with dynamic-update-slices and its weights read with dynamic slices, 16% of the
+  issue-17 step's thunk time; unrolled, the step took 0.90x the scan's time (median of 15 paired rounds,
+  all 15 below 1) and the micro-m SMELT step 0.875x (9 of 9), at no extra compile time at 4-9 layers
+  (docs/performance.md). The platform is read as for the unembedding form.
 """
 
 from __future__ import annotations
@@ -48,6 +54,8 @@ ATTENTION_IMPLS = ("auto", "reference", "splash")  # valid `ModelConfig.attentio
 SPLASH_SEQ_MULTIPLE = 128  # splash needs rows in whole blocks of a multiple of 128 keys (kernels/splash.py)
 UNEMBEDDING_FORMS = ("einsum", "matmul")
 AUTO_UNEMBEDDING_FORM = {"tpu": "einsum", "gpu": "einsum", "cpu": "matmul"}
+LAYER_LOOPS = ("auto", "scan", "unrolled")  # valid `Decoder.layer_loop` values
+AUTO_LAYER_LOOP = {"tpu": "scan", "gpu": "scan", "cpu": "unrolled"}
 EXPERT_AXIS = "expert"  # the mesh axis experts are sharded over (smelt_jax.sharding.MESH_AXES)
 
 
@@ -121,10 +129,25 @@ def choose_unembedding_form(platform: str | None = None, mesh=None) -> str:
     `jax.set_mesh` over TPU devices says 'tpu' even while this machine's backend is the CPU), else JAX's
     default backend.
     """
+    return AUTO_UNEMBEDDING_FORM.get(_traced_platform(platform, mesh), AUTO_UNEMBEDDING_FORM["cpu"])
+
+
+def choose_layer_loop(requested: str = "auto", platform: str | None = None, mesh=None) -> str:
+    """'scan' or 'unrolled' for `requested` (a name in LAYER_LOOPS); only `auto` reads the platform,
+    which is found as in `choose_unembedding_form`."""
+    if requested not in LAYER_LOOPS:
+        raise ValueError(f"layer loop {requested!r} not in {LAYER_LOOPS}")
+    if requested != "auto":
+        return requested
+    return AUTO_LAYER_LOOP.get(_traced_platform(platform, mesh), AUTO_LAYER_LOOP["cpu"])
+
+
+def _traced_platform(platform: str | None, mesh) -> str:
+    """`platform`, else the platform of `mesh`'s devices when the mesh names one, else JAX's default."""
     if platform is None and mesh is not None and not getattr(mesh, "empty", False):
         device = getattr(mesh, "abstract_device", None)
         platform = getattr(device, "platform", None)
-    return AUTO_UNEMBEDDING_FORM.get(_platform(platform), AUTO_UNEMBEDDING_FORM["cpu"])
+    return _platform(platform)
 
 
 def choose_expert_backend(requested: str, platform: str | None = None, mesh=None) -> str:

@@ -1,9 +1,10 @@
 """The decoder: embedding, prefix stack, looped stack (run loop_repeats times, same weights),
 suffix stack, final RMSNorm, untied unembedding.
 
-Each stack is one vmapped Layer scanned over its depth; the loop's visits are an outer scan, so
-compile time depends on neither depth nor loop_repeats. Inside the loop both residual writes are
-scaled by 1/loop_repeats.
+Each stack is one vmapped Layer iterated over its depth, and the loop's visits are an outer iteration. On
+TPU and GPU both are scans, so compile time depends on neither depth nor loop_repeats; on CPU both are
+Python loops (`Decoder.layer_loop`, kernels/backend.py). Inside the loop both residual writes are scaled
+by 1/loop_repeats.
 """
 
 from __future__ import annotations
@@ -13,11 +14,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from smelt_jax.config import REMAT_POLICIES, ModelConfig
+from smelt_jax.kernels.backend import choose_layer_loop
 from smelt_jax.model.attention import INIT_STD, truncated_normal
-from smelt_jax.model.layer import make_stack, run_stack
+from smelt_jax.model.layer import loop_over, make_stack, run_stack
 from smelt_jax.model.norm import RMSNorm
 from smelt_jax.model.rope import rope_angles
-from smelt_jax.sharding import constrain, param
+from smelt_jax.sharding import constrain, current_mesh, param
 
 STACKS = ("prefix", "loop", "suffix")
 LOAD_STATS = ("counts", "max_over_mean", "dropped_fraction")
@@ -48,9 +50,10 @@ class Decoder(nnx.Module):
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, dtype)
         self.unembedding = param(truncated_normal(rngs, (cfg.d_model, cfg.vocab), INIT_STD, dtype),
                                  ("embed", "vocab"))
-        # Unrolled scans give the same numbers; XLA's cost analysis counts a while body once,
-        # so the FLOP test unrolls.
-        self.unroll_layers = False
+        # How the stacks and the loop's visits are iterated (kernels.backend.LAYER_LOOPS): 'auto' is a
+        # scan on TPU/GPU and a Python loop on CPU. Both give the same numbers; XLA's cost analysis counts
+        # a while body once, so the FLOP test asks for 'unrolled'.
+        self.layer_loop = "auto"
 
     def __call__(self, tokens: jax.Array, segment_ids: jax.Array, positions: jax.Array, *,
                  capture: bool = False):
@@ -101,8 +104,8 @@ class Decoder(nnx.Module):
             segments = jax.lax.dynamic_update_slice(cache["segment_ids"],
                                                     segment_ids.astype(jnp.int32), (0, index))
             shared_cache = {"segment_ids": segments, "index": index}
-        run = {"shared_cache": shared_cache, "capture": capture, "remat": self.remat,
-               "unroll": self.unroll_layers}
+        loop = choose_layer_loop(self.layer_loop, mesh=current_mesh())
+        run = {"shared_cache": shared_cache, "capture": capture, "remat": self.remat, "loop": loop}
         stats, captures, new_cache = {}, {}, {}
         if self.prefix is not None:
             x, stats["prefix"], new_cache["prefix"], captures["prefix"] = run_stack(
@@ -115,8 +118,8 @@ class Decoder(nnx.Module):
                     self.loop, carry, context, scale, caches=visit_cache, **run)
                 return carry, (visit_stats, visit_new_cache, visit_captures)
 
-            x, (stats["loop"], new_cache["loop"], captures["loop"]) = jax.lax.scan(
-                visit, x, _get(cache, "loop"), length=cfg.loop_repeats, unroll=self.unroll_layers)
+            x, (stats["loop"], new_cache["loop"], captures["loop"]) = loop_over(
+                visit, x, _get(cache, "loop"), length=cfg.loop_repeats, loop=loop)
         if self.suffix is not None:
             x, stats["suffix"], new_cache["suffix"], captures["suffix"] = run_stack(
                 self.suffix, x, context, 1.0, caches=_get(cache, "suffix"), **run)

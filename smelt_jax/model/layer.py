@@ -1,4 +1,5 @@
-"""Pre-norm decoder layer with a residual-write scale, and stacks of layers run with `lax.scan`.
+"""Pre-norm decoder layer with a residual-write scale, and stacks of layers run with `lax.scan` or a
+Python loop (`loop_over`; `kernels.backend.choose_layer_loop` picks by platform).
 
 dx_attn = Attn(norm(x)) * scale;  dx_moe = MoE(norm(x + dx_attn)) * scale;  x <- x + dx_attn + dx_moe.
 scale = 1 / loop_repeats inside the loop span and 1 outside (the paper's SMELT block).
@@ -82,8 +83,9 @@ def make_stack(cfg: ModelConfig, n_layers: int, rngs: nnx.Rngs) -> Layer:
 
 def run_stack(stack: Layer, x: jax.Array, context: dict, scale: float, *,
               caches: dict | None = None, shared_cache: dict | None = None, capture: bool = False,
-              remat: str = "none", unroll: bool = False):
-    """Run a stacked Layer over its leading axis with `lax.scan` (one compiled body for any depth).
+              remat: str = "none", loop: str = "scan"):
+    """Run a stacked Layer over its leading axis: `loop` 'scan' (one compiled body for any depth) or
+    'unrolled' (a Python loop over the layers; `loop_over`).
 
     caches: per-layer {'k', 'v'} stacked [n, ...] or None; shared_cache: 'segment_ids', 'index'
     (the same for every layer). Returns (x, stats stacked [n, ...], caches or None, captures
@@ -102,5 +104,22 @@ def run_stack(stack: Layer, x: jax.Array, context: dict, scale: float, *,
 
     if remat != "none":
         body = jax.checkpoint(body, policy=REMAT_POLICIES[remat])
-    x, (stats, new_caches, captures) = jax.lax.scan(body, x, (params, caches), unroll=unroll)
+    depth = jax.tree.leaves(params)[0].shape[0]
+    x, (stats, new_caches, captures) = loop_over(body, x, (params, caches), length=depth, loop=loop)
     return x, stats, new_caches, captures
+
+
+def loop_over(body, carry, xs, *, length: int, loop: str):
+    """`lax.scan(body, carry, xs, length=length)`, or the same with a Python loop when `loop` is
+    'unrolled': each step gets xs[i] (a static slice) and the per-step outputs are stacked at the end, so
+    no stacked residual buffer is filled step by step (the CPU's choice: kernels/backend.py). Both give
+    the same numbers (tests/test_model_decoder.py)."""
+    if loop == "scan":
+        return jax.lax.scan(body, carry, xs, length=length)
+    if loop != "unrolled":
+        raise ValueError(f"loop {loop!r} is neither 'scan' nor 'unrolled'")
+    outputs = []
+    for i in range(length):
+        carry, out = body(carry, jax.tree.map(lambda a, i=i: a[i], xs))
+        outputs.append(out)
+    return carry, jax.tree.map(lambda *a: jnp.stack(a), *outputs)
