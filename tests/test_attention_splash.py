@@ -106,7 +106,7 @@ def test_the_attention_layer_takes_splash_when_asked():
     ("auto", "tpu", 4096, True, "splash"),
     ("auto", "tpu", 4000, True, "reference"),  # not whole blocks of 128
     ("auto", "tpu", 4096, False, "reference"),  # decoding with a KV cache, or probabilities captured
-    ("auto", "cpu", 4096, True, "reference"),
+    ("auto", "cpu", 4096, True, "blocked"),  # tests/test_attention_blocked.py
     ("auto", "gpu", 4096, True, "reference"),
     ("splash", "cpu", 256, True, "splash"),
     ("reference", "tpu", 4096, True, "reference"),

@@ -13,7 +13,7 @@ from smelt_jax.model import Decoder
 # masking (not in the budget) small next to the matmuls.
 COST_CFG = ModelConfig(vocab=512, d_model=128, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=64,
                        n_experts=2, top_k=2, expert_ffn=256, loop_start=1, loop_length=1,
-                       loop_repeats=2, seq_len=128, expert_impl="capacity")
+                       loop_repeats=2, seq_len=128, expert_impl="capacity", attention_impl="reference")
 TINY = ModelConfig(vocab=256, d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16,
                    n_experts=8, top_k=2, expert_ffn=32, loop_start=1, loop_length=2,
                    loop_repeats=2, seq_len=64)

@@ -25,8 +25,13 @@ Rules:
 - Pallas kernels run interpreted or compile to Mosaic by the target being traced for
   (`pallas_interpret`), never by `jax.default_backend()`, which is the CPU during an ahead-of-time compile.
 - Attention `auto` is `splash` (Pallas splash attention, causal block skipping: `kernels/splash.py`) on
-  TPU for a full forward whose row length is a multiple of its blocks, and `reference` (the masked dense
-  `model.attention.dot_product_attention`, the test oracle) everywhere else.
+  TPU for a full forward whose row length is a multiple of its blocks; `blocked` (the reference's
+  arithmetic over query blocks of CAUSAL_BLOCK rows, each against the keys up to its end:
+  `model.attention.causal_blocked_attention`) on CPU for a full forward, where the masked half of the
+  score matrix was half the attention's time (core fwd + bwd at the issue-17 shapes 65 -> 33 ms); and
+  `reference` (the masked dense `model.attention.dot_product_attention`, the test oracle) everywhere
+  else: decoding, captured probabilities, GPU. The CPU is read from the traced mesh as for the
+  unembedding form, so an ahead-of-time TPU compile on this CPU never gets `blocked`.
 - The unembedding + cross-entropy (`model/loss.py`) multiplies `einsum` over [batch, seq, ...] on TPU
   and GPU, and `matmul` on 2-D [batch * seq, ...] operands on CPU: there the einsum's weight gradient
   makes a transposed copy (145 vs 76 ms at the issue-17 shapes), while on TPU the 2-D form raised the
@@ -50,8 +55,9 @@ MOSAIC_BACKENDS = ("pallas", "megablox")
 GSPMD_BACKEND = "ragged_dot"
 EXPERT_EXCHANGES = ("auto", "padded", "ragged")  # valid `ModelConfig.expert_exchange` values
 AUTO_EXCHANGE = {"tpu": "padded", "gpu": "ragged", "cpu": "padded"}
-ATTENTION_IMPLS = ("auto", "reference", "splash")  # valid `ModelConfig.attention_impl` values
+ATTENTION_IMPLS = ("auto", "reference", "splash", "blocked")  # valid `ModelConfig.attention_impl` values
 SPLASH_SEQ_MULTIPLE = 128  # splash needs rows in whole blocks of a multiple of 128 keys (kernels/splash.py)
+CAUSAL_BLOCK = 64  # query rows per block of the CPU's `blocked` attention
 UNEMBEDDING_FORMS = ("einsum", "matmul")
 AUTO_UNEMBEDDING_FORM = {"tpu": "einsum", "gpu": "einsum", "cpu": "matmul"}
 LAYER_LOOPS = ("auto", "scan", "unrolled")  # valid `Decoder.layer_loop` values
@@ -105,18 +111,22 @@ def choose_expert_exchange(requested: str, platform: str | None = None) -> str:
 
 
 def choose_attention_backend(requested: str, platform: str | None = None, *, seq_len: int | None = None,
-                             full_forward: bool = True) -> str:
-    """'reference' or 'splash' for `requested` (a name in ATTENTION_IMPLS).
+                             full_forward: bool = True, mesh=None) -> str:
+    """'reference', 'splash' or 'blocked' for `requested` (a name in ATTENTION_IMPLS).
 
-    `auto` is 'splash' only on TPU, for a full forward (no KV cache, no captured probabilities) over rows
-    of `seq_len` keys, a multiple of SPLASH_SEQ_MULTIPLE. An explicit 'splash' is honoured for a full
-    forward (on CPU it runs in Pallas interpret mode: tests only); anything else is 'reference'.
+    For a full forward (no KV cache, no captured probabilities) `auto` is 'splash' on TPU over rows of
+    `seq_len` keys, a multiple of SPLASH_SEQ_MULTIPLE, and 'blocked' on CPU (platform None: `mesh`'s
+    devices' when it names them, else JAX's default backend; rows longer than one CAUSAL_BLOCK). An
+    explicit 'splash' or 'blocked' is honoured for a full forward (splash on CPU runs in Pallas
+    interpret mode: tests only); anything else is 'reference'.
     """
     if requested not in ATTENTION_IMPLS:
         raise ValueError(f"attention impl {requested!r} not in {ATTENTION_IMPLS}")
     if not full_forward:
         return "reference"
     if requested == "auto":
+        if _traced_platform(platform, mesh) == "cpu":
+            return "blocked" if seq_len is None or seq_len > CAUSAL_BLOCK else "reference"
         fits_blocks = seq_len is not None and seq_len % SPLASH_SEQ_MULTIPLE == 0
         return "splash" if _platform(platform) == "tpu" and fits_blocks else "reference"
     return requested

@@ -9,7 +9,11 @@ Two backends for the core, chosen by `kernels.backend.choose_attention_backend(c
   4 * q_width * keys FLOPs per token and layer with keys = the row length (the cost-analysis test's
   convention; see docs/model.md);
 - splash (TPU, full forward): Pallas splash attention (`kernels/splash.py`), which skips the key blocks
-  after each query block (about the causal half) and applies the segment ids inside the blocks it runs.
+  after each query block (about the causal half) and applies the segment ids inside the blocks it runs;
+- blocked (CPU, full forward; `causal_blocked_attention`): the reference's arithmetic over query blocks
+  of `CAUSAL_BLOCK` rows, each against only the keys up to its own last row, so the score matrix's
+  blocks above the diagonal are never computed: keys per query (n + 1) B / 2 for s = n B (160 of 256 at
+  B 64), the softmax and its backward shrunk alike. Plain XLA: autodiff, no custom kernel.
 """
 
 from __future__ import annotations
@@ -19,10 +23,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from smelt_jax.config import ModelConfig
-from smelt_jax.kernels.backend import choose_attention_backend
+from smelt_jax.kernels.backend import CAUSAL_BLOCK, choose_attention_backend
 from smelt_jax.kernels.splash import splash_attention
 from smelt_jax.model.rope import apply_rope
-from smelt_jax.sharding import constrain, param
+from smelt_jax.sharding import constrain, current_mesh, param
 
 INIT_STD = 0.02
 
@@ -58,6 +62,32 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Ar
     out = jnp.einsum("bkgst,btkd->bskgd", probs.astype(v.dtype), v,
                      preferred_element_type=jnp.float32)
     return out.astype(q.dtype), probs
+
+
+def causal_blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array,
+                             block: int) -> jax.Array:
+    """The reference core over query blocks, skipping the keys after each block (a full forward only:
+    keys are this row's).
+
+    q [b, s, kv_heads, group, hd], k and v [b, s, kv_heads, hd], segment_ids [b, s]. Block i takes
+    queries [i B, min((i + 1) B, s)) against keys [0, min((i + 1) B, s)) with the same segment-causal
+    mask; any s works (the last block may be short). Returns the output [b, s, kv_heads, group, hd].
+    """
+    s = q.shape[1]
+    slots = jnp.arange(s, dtype=jnp.int32)
+    outs = []
+    for lo in range(0, s, block):
+        hi = min(lo + block, s)
+        mask = segment_causal_mask(segment_ids[:, lo:hi], segment_ids[:, :hi], slots[lo:hi], slots[:hi])
+        out, _ = dot_product_attention(q[:, lo:hi], k[:, :hi], v[:, :hi], mask)
+        outs.append(out)
+    return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
+
+
+def blocked_attended_keys(seq_len: int, block: int) -> float:
+    """Mean keys scored per query by `causal_blocked_attention` (the budget's `attended_keys`)."""
+    ends = [min(lo + block, seq_len) for lo in range(0, seq_len, block)]
+    return sum(end * (end - lo) for lo, end in zip(range(0, seq_len, block), ends)) / seq_len
 
 
 class Attention(nnx.Module):
@@ -113,10 +143,14 @@ class Attention(nnx.Module):
             key_segments = cache["segment_ids"]
             key_slots = jnp.arange(keys.shape[1], dtype=jnp.int32)
             query_slots = query_slots + index
-        backend = choose_attention_backend(cfg.attention_impl, seq_len=s,
+        backend = choose_attention_backend(cfg.attention_impl, seq_len=s, mesh=current_mesh(),
                                            full_forward=cache is None and not return_probs)
         if backend == "splash":  # the same function, blocks after the diagonal skipped
             pv = splash_attention(q, keys, values, segment_ids)
+        elif backend == "blocked":  # the same function, query blocks against their keys only
+            out = causal_blocked_attention(q.reshape(b, s, cfg.n_kv_heads, group, cfg.head_dim), keys,
+                                           values, segment_ids, CAUSAL_BLOCK)
+            pv = out.reshape(b, s, cfg.n_heads, cfg.head_dim)
         else:
             mask = segment_causal_mask(segment_ids, key_segments, query_slots, key_slots)
             out, probs = dot_product_attention(q.reshape(b, s, cfg.n_kv_heads, group, cfg.head_dim),
