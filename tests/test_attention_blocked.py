@@ -13,6 +13,7 @@ from smelt_jax.config import ModelConfig
 from smelt_jax.kernels.backend import CAUSAL_BLOCK, choose_attention_backend
 from smelt_jax.model.attention import (Attention, blocked_attended_keys, causal_blocked_attention,
                                        dot_product_attention, segment_causal_mask)
+from tests.platform_fakes import FakeMesh
 
 KV, GROUP, HD = 2, 2, 16
 
@@ -88,21 +89,11 @@ def test_blocked_is_the_cpu_choice_for_a_full_forward(requested, platform, seq_l
     assert choose_attention_backend(requested, platform, seq_len=seq_len, full_forward=full) == expected
 
 
-class _Device:
-    def __init__(self, platform):
-        self.platform = platform
-
-
-class _Mesh:
-    def __init__(self, platform):
-        self.empty, self.abstract_device = False, _Device(platform)
-
-
 def test_an_ahead_of_time_tpu_program_never_takes_blocked():
     """Traced on this CPU under a TPU mesh: the TPU's choice (splash is decided by the compile report,
     which passes the platform; with none given it stays the reference), never the CPU's `blocked`."""
-    assert choose_attention_backend("auto", seq_len=256, mesh=_Mesh("tpu")) == "reference"
-    assert choose_attention_backend("auto", seq_len=256, mesh=_Mesh("cpu")) == "blocked"
+    assert choose_attention_backend("auto", seq_len=256, mesh=FakeMesh("tpu")) == "reference"
+    assert choose_attention_backend("auto", seq_len=256, mesh=FakeMesh("cpu")) == "blocked"
 
 
 def test_blocked_attended_keys_count_the_blocks_on_and_below_the_diagonal():

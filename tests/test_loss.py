@@ -8,6 +8,7 @@ import pytest
 
 from smelt_jax.kernels.backend import UNEMBEDDING_FORMS, choose_unembedding_form
 from smelt_jax.model.loss import LOGITS_PER_ROW_CHUNK, cross_entropy, seq_chunk, unembed_cross_entropy
+from tests.platform_fakes import FakeMesh
 
 B, S, D, V = 3, 37, 16, 50  # S = 37: no chunk below divides it
 
@@ -78,22 +79,10 @@ def test_the_two_forms_agree_on_cpu_and_cpu_chooses_the_2d_form():
     assert choose_unembedding_form("tpu") == choose_unembedding_form("gpu") == "einsum"
 
 
-class _Device:
-    def __init__(self, platform):
-        self.platform = platform
-
-
-class _Mesh:
-    """What the form decision reads of an AbstractMesh."""
-
-    def __init__(self, platform):
-        self.empty, self.abstract_device = False, _Device(platform)
-
-
 def test_the_form_follows_the_traced_mesh_platform_not_this_machine():
-    assert choose_unembedding_form(mesh=_Mesh("tpu")) == "einsum"
-    assert choose_unembedding_form(mesh=_Mesh("cpu")) == "matmul"
-    assert choose_unembedding_form("cpu", mesh=_Mesh("tpu")) == "matmul"  # an explicit platform wins
+    assert choose_unembedding_form(mesh=FakeMesh("tpu")) == "einsum"
+    assert choose_unembedding_form(mesh=FakeMesh("cpu")) == "matmul"
+    assert choose_unembedding_form("cpu", mesh=FakeMesh("tpu")) == "matmul"  # an explicit platform wins
 
 
 def test_seq_chunk_bounds_the_logits_per_row():
