@@ -28,7 +28,7 @@ Rules:
   TPU for a full forward whose row length is a multiple of its blocks; `blocked` (the reference's
   arithmetic over query blocks of CAUSAL_BLOCK rows, each against the keys up to its end:
   `model.attention.causal_blocked_attention`) on CPU for a full forward, where the masked half of the
-  score matrix was half the attention's time (core fwd + bwd at the issue-17 shapes 65 -> 33 ms); and
+  score matrix was half the attention's time (core fwd + bwd at the issue-17 shapes 41.5 -> 20.5 ms); and
   `reference` (the masked dense `model.attention.dot_product_attention`, the test oracle) everywhere
   else: decoding, captured probabilities, GPU. The CPU is read from the traced mesh as for the
   unembedding form, so an ahead-of-time TPU compile on this CPU never gets `blocked`.

@@ -86,8 +86,8 @@ def causal_blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_i
 
 def blocked_attended_keys(seq_len: int, block: int) -> float:
     """Mean keys scored per query by `causal_blocked_attention` (the budget's `attended_keys`)."""
-    ends = [min(lo + block, seq_len) for lo in range(0, seq_len, block)]
-    return sum(end * (end - lo) for lo, end in zip(range(0, seq_len, block), ends)) / seq_len
+    return sum(min(lo + block, seq_len) * (min(lo + block, seq_len) - lo)
+               for lo in range(0, seq_len, block)) / seq_len
 
 
 class Attention(nnx.Module):
@@ -145,16 +145,15 @@ class Attention(nnx.Module):
             query_slots = query_slots + index
         backend = choose_attention_backend(cfg.attention_impl, seq_len=s, mesh=current_mesh(),
                                            full_forward=cache is None and not return_probs)
+        grouped_q = q.reshape(b, s, cfg.n_kv_heads, group, cfg.head_dim)
         if backend == "splash":  # the same function, blocks after the diagonal skipped
             pv = splash_attention(q, keys, values, segment_ids)
         elif backend == "blocked":  # the same function, query blocks against their keys only
-            out = causal_blocked_attention(q.reshape(b, s, cfg.n_kv_heads, group, cfg.head_dim), keys,
-                                           values, segment_ids, CAUSAL_BLOCK)
-            pv = out.reshape(b, s, cfg.n_heads, cfg.head_dim)
+            out = causal_blocked_attention(grouped_q, keys, values, segment_ids, CAUSAL_BLOCK)
         else:
             mask = segment_causal_mask(segment_ids, key_segments, query_slots, key_slots)
-            out, probs = dot_product_attention(q.reshape(b, s, cfg.n_kv_heads, group, cfg.head_dim),
-                                               keys, values, mask)
+            out, probs = dot_product_attention(grouped_q, keys, values, mask)
+        if backend != "splash":
             pv = out.reshape(b, s, cfg.n_heads, cfg.head_dim)
         out = jnp.einsum("bshe,hed->bsd", pv, self.wo[...].astype(dtype))
         internals = {}
