@@ -124,3 +124,15 @@ def test_xla_counts_the_blocked_attention_flops_of_the_budget():
     # the matmuls dominate; softmax and masking add a few percent on top
     assert want <= blocked < 1.15 * want, (blocked, want)
     assert blocked < 0.75 * reference
+
+
+def test_blocked_attention_keeps_bfloat16_inputs_dtypes_in_its_output_and_gradients():
+    q, k, v, segments, cotangent = _inputs(2, 130, seed=5)
+    q16, k16, v16 = (x.astype(jnp.bfloat16) for x in (q, k, v))
+    _, grads = _value_and_grads(causal_blocked_attention, q16, k16, v16, segments, cotangent, 64)
+    _, ref_grads = _value_and_grads(_reference, q16.astype(jnp.float32), k16.astype(jnp.float32),
+                                    v16.astype(jnp.float32), segments, cotangent, 64)
+    assert causal_blocked_attention(q16, k16, v16, segments, 64).dtype == jnp.bfloat16
+    for name, g, g_ref in zip("qkv", grads, ref_grads):
+        assert g.dtype == jnp.bfloat16, name
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(g_ref), rtol=2e-2, atol=2e-2, err_msg=name)

@@ -3,10 +3,11 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from smelt_jax.config import ModelConfig
-from smelt_jax.model.dispatch import expert_capacity
+from smelt_jax.model.dispatch import argsort_small_keys, expert_capacity, inverse_permutation
 from smelt_jax.model.moe import MoE
 from smelt_jax.model.router import route
 
@@ -79,3 +80,18 @@ def test_capacity_drops_the_latest_tokens_of_a_full_expert():
     cfg = CFG.replace(capacity_factor=0.5, expert_impl="capacity")
     assert expert_capacity(cfg, 16) == 4
     assert _check_against_naive(cfg) > 0  # the case really drops something
+
+
+@pytest.mark.parametrize("n,n_keys,seed", [(8192, 74, 0), (77, 3, 1), (1, 1, 2), (64, 1, 3), (500, 501, 4)])
+def test_argsort_small_keys_is_the_stable_argsort_and_its_inverse_the_positions(n, n_keys, seed):
+    keys = jnp.asarray(np.random.default_rng(seed).integers(0, n_keys, n), jnp.int32)
+    order = jax.jit(argsort_small_keys, static_argnums=1)(keys, n_keys)
+    np.testing.assert_array_equal(np.asarray(order), np.argsort(np.asarray(keys), kind="stable"))
+    position = jax.jit(inverse_permutation)(order)
+    np.testing.assert_array_equal(np.asarray(position), np.argsort(np.asarray(order)))
+
+
+def test_argsort_small_keys_falls_back_to_the_stable_sort_where_packing_overflows_int32():
+    n_keys = 2**31 // 5 + 1  # key * 5 + index passes 2**31 - 1 for the largest key at index 4
+    keys = jnp.asarray([1, 0, n_keys - 1, 0, n_keys - 1], jnp.int32)
+    np.testing.assert_array_equal(np.asarray(argsort_small_keys(keys, n_keys)), [1, 3, 0, 2, 4])

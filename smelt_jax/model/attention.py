@@ -13,10 +13,13 @@ Two backends for the core, chosen by `kernels.backend.choose_attention_backend(c
 - blocked (CPU, full forward; `causal_blocked_attention`): the reference's arithmetic over query blocks
   of `CAUSAL_BLOCK` rows, each against only the keys up to its own last row, so the score matrix's
   blocks above the diagonal are never computed: keys per query (n + 1) B / 2 for s = n B (160 of 256 at
-  B 64), the softmax and its backward shrunk alike. Plain XLA: autodiff, no custom kernel.
+  B 64), the softmax and its backward shrunk alike. Plain XLA, with a written-out (flash-style) backward
+  that reuses the forward's weights.
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -64,6 +67,40 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Ar
     return out.astype(q.dtype), probs
 
 
+def _head_major(q: jax.Array, k: jax.Array, v: jax.Array):
+    """q [b, s, kv, g, hd] -> [b, kv, g, s, hd] scaled by hd^-0.5; k, v [b, s, kv, hd] -> [b, kv, s, hd];
+    all float32 (the blocked core's working layout: each block's products need no further transpose)."""
+    scale = q.shape[-1] ** -0.5
+    return (jnp.transpose(q.astype(jnp.float32), (0, 2, 3, 1, 4)) * scale,
+            jnp.transpose(k.astype(jnp.float32), (0, 2, 1, 3)), jnp.transpose(v.astype(jnp.float32), (0, 2, 1, 3)))
+
+
+def _blocked_forward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, block: int):
+    """The blocked core in the head-major layout (`_head_major`). Returns the output [b, kv, g, s, hd]
+    and, per query block [lo, hi), the unnormalised weights exp(score - row max) [b, kv, g, hi - lo, hi]
+    (zero where masked) and their rows' 1 / sum [b, kv, g, hi - lo, 1], which the backward reuses."""
+    s = q.shape[3]
+    slots = jnp.arange(s, dtype=jnp.int32)
+    outs, weights, inverse_sums = [], [], []
+    for lo in range(0, s, block):
+        hi = min(lo + block, s)
+        mask = segment_causal_mask(segment_ids[:, lo:hi], segment_ids[:, :hi], slots[lo:hi], slots[:hi])
+        scores = jnp.einsum("bkgsd,bktd->bkgst", q[:, :, :, lo:hi], k[:, :, :hi])
+        scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+        w = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
+        inverse_sum = 1.0 / jnp.sum(w, axis=-1, keepdims=True)  # a query sees itself: the sum is >= 1
+        outs.append(jnp.einsum("bkgst,bktd->bkgsd", w, v[:, :, :hi]) * inverse_sum)
+        weights.append(w)
+        inverse_sums.append(inverse_sum)
+    return jnp.concatenate(outs, axis=3), weights, inverse_sums
+
+
+def _from_head_major(out: jax.Array, dtype) -> jax.Array:
+    """[b, kv, g, s, hd] -> [b, s, kv, g, hd] in `dtype`."""
+    return jnp.transpose(out, (0, 3, 1, 2, 4)).astype(dtype)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(4,))
 def causal_blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array,
                              block: int) -> jax.Array:
     """The reference core over query blocks, skipping the keys after each block (a full forward only:
@@ -72,16 +109,46 @@ def causal_blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_i
     q [b, s, kv_heads, group, hd], k and v [b, s, kv_heads, hd], segment_ids [b, s]. Block i takes
     queries [i B, min((i + 1) B, s)) against keys [0, min((i + 1) B, s)) with the same segment-causal
     mask; any s works (the last block may be short). Returns the output [b, s, kv_heads, group, hd].
+
+    Float32 inside. The backward is written out (flash-attention style) rather than autodiffed: it
+    reuses the forward's unnormalised weights P~ and row factors r = 1 / sum P~ and takes the softmax's
+    row term from the output, D = rowsum(dO * O), an [s, hd] reduction in place of autodiff's [s, keys]
+    one; with P = r P~: dV = P^T dO, dS = P (dO V^T - D), dQ = dS K / sqrt(hd), dK = dS^T Q / sqrt(hd).
+    Masked weights are exactly zero, so the backward needs no mask.
     """
-    s = q.shape[1]
-    slots = jnp.arange(s, dtype=jnp.int32)
-    outs = []
-    for lo in range(0, s, block):
+    out, _, _ = _blocked_forward(*_head_major(q, k, v), segment_ids, block)
+    return _from_head_major(out, q.dtype)
+
+
+def _blocked_attention_fwd(q, k, v, segment_ids, block):
+    qh, kh, vh = _head_major(q, k, v)
+    out, weights, inverse_sums = _blocked_forward(qh, kh, vh, segment_ids, block)
+    dtypes = tuple(jnp.zeros((0,), x.dtype) for x in (q, k, v))  # residuals are arrays: dtypes as empties
+    return _from_head_major(out, q.dtype), (qh, kh, vh, out, weights, inverse_sums, dtypes)
+
+
+def _blocked_attention_bwd(block, residuals, d_out):
+    qh, kh, vh, out, weights, inverse_sums, dtypes = residuals
+    q_dtype, k_dtype, v_dtype = (x.dtype for x in dtypes)
+    s, scale = qh.shape[3], qh.shape[-1] ** -0.5
+    d_out = jnp.transpose(d_out.astype(jnp.float32), (0, 2, 3, 1, 4))  # [b, kv, g, s, hd]
+    row_term = jnp.sum(d_out * out, axis=-1, keepdims=True)  # D [b, kv, g, s, 1]
+    dk, dv, dq_blocks = jnp.zeros_like(kh), jnp.zeros_like(vh), []
+    for lo, w, inverse_sum in zip(range(0, s, block), weights, inverse_sums):
         hi = min(lo + block, s)
-        mask = segment_causal_mask(segment_ids[:, lo:hi], segment_ids[:, :hi], slots[lo:hi], slots[:hi])
-        out, _ = dot_product_attention(q[:, lo:hi], k[:, :hi], v[:, :hi], mask)
-        outs.append(out)
-    return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
+        d_out_block = d_out[:, :, :, lo:hi]
+        dv = dv.at[:, :, :hi].add(jnp.einsum("bkgst,bkgsd->bktd", w, d_out_block * inverse_sum))
+        d_weights = jnp.einsum("bkgsd,bktd->bkgst", d_out_block, vh[:, :, :hi])
+        d_scores = w * (inverse_sum * (d_weights - row_term[:, :, :, lo:hi]))
+        dq_blocks.append(jnp.einsum("bkgst,bktd->bkgsd", d_scores, kh[:, :, :hi]))
+        dk = dk.at[:, :, :hi].add(jnp.einsum("bkgst,bkgsd->bktd", d_scores, qh[:, :, :, lo:hi]))
+    dq = _from_head_major(jnp.concatenate(dq_blocks, axis=3) * scale, q_dtype)
+    dk = jnp.transpose(dk, (0, 2, 1, 3)).astype(k_dtype)
+    dv = jnp.transpose(dv, (0, 2, 1, 3)).astype(v_dtype)
+    return dq, dk, dv, None
+
+
+causal_blocked_attention.defvjp(_blocked_attention_fwd, _blocked_attention_bwd)
 
 
 def blocked_attended_keys(seq_len: int, block: int) -> float:

@@ -25,6 +25,24 @@ def expert_capacity(cfg: ModelConfig, tokens: int) -> int | None:
     return max(1, math.ceil(cfg.capacity_factor * tokens * cfg.top_k / cfg.n_experts))
 
 
+def argsort_small_keys(keys: jax.Array, n_keys: int) -> jax.Array:
+    """jnp.argsort(keys, stable=True) for int keys [n] in [0, n_keys): one unstable sort of the unique
+    int32 keys key * n + index (the same order: ties broken by index), then the index back out. On CPU
+    a quarter of the two-operand stable sort's time (0.48 against 2.61 ms plus the inverse, n = 8,192,
+    74 keys; docs/performance.md). Falls back to the stable argsort when key * n overflows int32."""
+    n = keys.shape[0]
+    if n_keys * n >= 2**31:
+        return jnp.argsort(keys, stable=True)
+    packed = keys.astype(jnp.int32) * n + jnp.arange(n, dtype=jnp.int32)
+    return jax.lax.rem(jax.lax.sort(packed, is_stable=False), jnp.int32(n))
+
+
+def inverse_permutation(order: jax.Array) -> jax.Array:
+    """position [n] int32 with position[order[i]] = i: a scatter, not a second sort."""
+    n = order.shape[0]
+    return jnp.zeros((n,), jnp.int32).at[order].set(jnp.arange(n, dtype=jnp.int32), unique_indices=True)
+
+
 def dispatch_order(expert_ids: jax.Array, n_experts: int, capacity: int | None):
     """Sort the T*k token copies by expert.
 
@@ -34,14 +52,14 @@ def dispatch_order(expert_ids: jax.Array, n_experts: int, capacity: int | None):
     """
     flat = expert_ids.reshape(-1)
     counts = jnp.bincount(flat, length=n_experts).astype(jnp.int32)
+    first_order = argsort_small_keys(flat, n_experts)
     if capacity is None:
-        return jnp.argsort(flat, stable=True), counts, counts
-    first_order = jnp.argsort(flat, stable=True)
+        return first_order, counts, counts
     starts = jnp.cumsum(counts) - counts
     rank_sorted = jnp.arange(flat.shape[0], dtype=jnp.int32) - starts[flat[first_order]]
     rank = jnp.zeros_like(rank_sorted).at[first_order].set(rank_sorted)
     key = jnp.where(rank < capacity, flat, n_experts)
-    return jnp.argsort(key, stable=True), jnp.minimum(counts, capacity), counts
+    return argsort_small_keys(key, n_experts + 1), jnp.minimum(counts, capacity), counts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +89,7 @@ class Dispatch:
 def dispatch(expert_ids: jax.Array, n_experts: int, capacity: int | None) -> Dispatch:
     """The Dispatch of expert_ids [T, k] over n_experts with an optional capacity."""
     order, group_sizes, counts = dispatch_order(expert_ids, n_experts, capacity)
-    return Dispatch(expert_ids, order, jnp.argsort(order), group_sizes, counts, capacity)
+    return Dispatch(expert_ids, order, inverse_permutation(order), group_sizes, counts, capacity)
 
 
 def kept_copies(expert_ids: jax.Array, n_experts: int, capacity: int | None) -> jax.Array:

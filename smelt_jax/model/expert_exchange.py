@@ -46,7 +46,7 @@ from smelt_jax import sharding
 from smelt_jax.errors import UsageError
 from smelt_jax.kernels.backend import EXPERT_AXIS
 from smelt_jax.kernels.experts import expert_ffn
-from smelt_jax.model.dispatch import Dispatch
+from smelt_jax.model.dispatch import Dispatch, argsort_small_keys, inverse_permutation
 from smelt_jax.model.moe_buffers import buffer_fill, overflow_rows, rows_per_destination
 
 __all__ = ["buffer_fill", "exchanged_expert_outputs", "token_axes"]
@@ -96,8 +96,7 @@ def _send_layout(ids_local: jax.Array, kept_local: jax.Array, experts_local: int
     ids = ids_local.reshape(-1).astype(jnp.int32)
     kept = kept_local.reshape(-1)
     key = jnp.where(kept, ids, n * experts_local)  # global expert = destination * E_l + local expert
-    order = jnp.argsort(key, stable=True)
-    rank = jnp.zeros_like(key).at[order].set(jnp.arange(key.shape[0], dtype=jnp.int32))
+    rank = inverse_permutation(argsort_small_keys(key, n * experts_local + 1))
     counts = jnp.bincount(key, length=n * experts_local).astype(jnp.int32).reshape(n, experts_local)
     dest = jnp.where(kept, ids // experts_local, n)
     block_start = jnp.cumsum(jnp.sum(counts, axis=1)) - jnp.sum(counts, axis=1)  # [n]
