@@ -409,7 +409,8 @@ def run() -> str:
         "step (XLA's persistent compilation cache may serve the compile). GFLOP/s = tokens/s x "
         "(6 N_active incl. unembedding + 12 L_exec q_width x seq_len, full attention), one formula for "
         "every row. Ours adds load-balance (0.01) and z (1e-3) router losses; Mixtral's router aux loss "
-        "is off by default. Peer attention is SDPA (causal), ours the CPU's blocked core (query blocks of 64 rows, 160 of 256 keys scored).\n")
+        "is off by default. Peer attention is SDPA (causal), ours the CPU's blocked core (query blocks "
+        "of 64 rows, 160 of 256 keys scored).\n")
     text = tables(cands, notes, header)
     return text + f"\n_bench_peer measured for {time.perf_counter() - started:.0f} s._\n"
 
