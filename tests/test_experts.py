@@ -101,10 +101,11 @@ def test_capacity_backend_with_tight_bound_matches_dense():
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
-# Odd group sizes around every chunk size (every group ends in a partial chunk of 8), a group bigger
-# than the largest chunk, empty groups, one hot expert, padding rows, and m below the largest chunk.
+# Odd group sizes around every chunk size (every group ends in a partial chunk of 8), rests that need
+# every tail chunk (247 -> 248 = 128 + 64 + 32 + 16 + 8) or round up to a whole loop chunk (249, 255),
+# groups past one and two loop chunks, empty groups, one hot expert, padding rows, and m below a chunk.
 TILED_CASES = {
-    "around_every_chunk": ([1, 7, 9, 15, 17, 63, 65, 255, 257, 0], 700),
+    "around_every_chunk": ([1, 7, 9, 15, 17, 31, 33, 63, 65, 127, 129, 247, 249, 255, 257, 505, 0], 2020),
     "one_hot_expert_past_the_largest_chunk": ([0, 0, 301, 0], 305),
     "m_below_a_chunk": ([2, 0, 3], 6),
     "all_padding": ([0, 0, 0], 5),
