@@ -11,10 +11,13 @@ module's text, and sum the time by
   FFN, router, unembedding + loss, optimizer, ...; `PARTS`), or `other`.
 
 Loops (`while`, `conditional`, `call`) are containers: their bodies' thunks are counted, the container
-itself is not. Thunk times are summed over threads, so with 2 threads the sum can exceed the wall time;
-the wall time of a call is reported beside it.
+itself is not. Each part's executed thunks a call are counted too (a loop body's once per trip): at the
+nano shapes the step's time follows that count more than its FLOPs (docs/performance.md, "The `tiled`
+walk by bits"), so `run` profiles the nano-d96 matched pair beside the issue-17 step. Thunk times are
+summed over threads, so with 2 threads the sum can exceed the wall time; the wall time of a call is
+reported beside it.
 
-    python -m benchmarks.run ops                                         # the issue-17 train step
+    python -m benchmarks.run ops                                         # issue-17 step, nano-d96 pair
     XLA_FLAGS=--xla_cpu_max_isa=AVX2 python -m benchmarks.run ops        # as on an AVX2-only CPU
 """
 
@@ -126,6 +129,7 @@ class Profile:
     by_kind: dict[str, float]               # ms per call, summed over threads
     by_part: dict[str, dict[str, float]]    # part -> kind -> ms per call
     top: list[tuple[str, str, str, float]]  # (instruction, kind, part, ms per call), largest first
+    thunks: dict[str, float]                # part -> executed thunks per call (a loop body's, once per trip)
 
 
 def profile(fn, *args, calls: int = 3) -> Profile:
@@ -147,11 +151,14 @@ def profile(fn, *args, calls: int = 3) -> Profile:
         events = json.load(gzip.open(path))
     events = events["traceEvents"] if isinstance(events, dict) else events
     per_instr: dict[str, float] = collections.Counter()
+    executed: dict[str, float] = collections.Counter()
     for e in events:
         if e.get("ph") == "X" and e.get("name") in instructions:
             per_instr[e["name"]] += e.get("dur", 0.0) / 1e3 / calls
+            executed[e["name"]] += 1 / calls
     by_kind = dict.fromkeys(KINDS, 0.0)
     by_part: dict[str, dict[str, float]] = collections.defaultdict(lambda: dict.fromkeys(KINDS, 0.0))
+    thunks: dict[str, float] = collections.Counter()
     top = []
     for name, ms in per_instr.items():
         ins = instructions[name]
@@ -160,40 +167,51 @@ def profile(fn, *args, calls: int = 3) -> Profile:
         kind, part = kind_of(ins, computations), part_of(_fusion_op_name(ins, computations))
         by_kind[kind] += ms
         by_part[part][kind] += ms
+        thunks[part] += executed[name]
         top.append((name, kind, part, ms))
     top.sort(key=lambda t: -t[3])
-    return Profile(statistics.median(walls) * 1e3, by_kind, dict(by_part), top)
+    return Profile(statistics.median(walls) * 1e3, by_kind, dict(by_part), top, dict(thunks))
 
 
 def table(prof: Profile, title: str, n_top: int = 12) -> str:
     total = sum(prof.by_kind.values()) or float("nan")
+    n_thunks = sum(prof.thunks.values())
     lines = [f"**{title}**: {prof.wall_ms:.0f} ms a call (wall, median); thunk time summed over threads "
-             f"{total:.0f} ms.", "",
-             "| part | " + " | ".join(KINDS) + " | all | share |",
-             "|---|" + "---:|" * (len(KINDS) + 2)]
+             f"{total:.0f} ms; {n_thunks:,.0f} thunks executed a call.", "",
+             "| part | " + " | ".join(KINDS) + " | all | share | thunks |",
+             "|---|" + "---:|" * (len(KINDS) + 3)]
     for part, kinds in sorted(prof.by_part.items(), key=lambda kv: -sum(kv[1].values())):
         row = sum(kinds.values())
         lines.append(f"| {part} | " + " | ".join(f"{kinds[k]:.1f}" for k in KINDS)
-                     + f" | {row:.1f} | {row / total:.0%} |")
+                     + f" | {row:.1f} | {row / total:.0%} | {prof.thunks.get(part, 0):,.0f} |")
     lines.append("| **all** | " + " | ".join(f"**{prof.by_kind[k]:.1f}**" for k in KINDS)
-                 + f" | **{total:.1f}** | 100% |")
-    lines.append("| share | " + " | ".join(f"{prof.by_kind[k] / total:.0%}" for k in KINDS) + " | | |")
+                 + f" | **{total:.1f}** | 100% | **{n_thunks:,.0f}** |")
+    lines.append("| share | " + " | ".join(f"{prof.by_kind[k] / total:.0%}" for k in KINDS) + " | | | |")
     lines += ["", "| largest thunks | kind | part | ms |", "|---|---|---|---:|"]
     lines += [f"| `{n}` | {k} | {p} | {ms:.1f} |" for n, k, p, ms in prof.top[:n_top]]
     return "\n".join(lines) + "\n"
+
+
+PAIR = ("nano", "d96", "s95")  # (suite, scale, sparsity) of the matched pair profiled beside the issue-17 step
 
 
 def run() -> str:
     import jax
     import jax.numpy as jnp
 
+    from benchmarks.bench_peer import matched_pair_specs, step_inputs
     from benchmarks.bench_step_parts import issue_step_inputs
     from benchmarks.cpu_info import cpu_line
     from smelt_jax.train.step import make_train_step
 
     cfg, graphdef, params, tx, opt, batch = issue_step_inputs()
     prof = profile(jax.jit(make_train_step(graphdef, cfg, tx)), params, opt, batch, jnp.float32(1e-3))
-    return cpu_line() + f"; jax {jax.__version__}.\n\n" + table(prof, "issue-17 train step, expert_impl auto")
+    out = [cpu_line() + f"; jax {jax.__version__}.\n", table(prof, "issue-17 train step, expert_impl auto")]
+    for spec in matched_pair_specs():
+        if (spec.suite, spec.scale, spec.sparsity_label) == PAIR:
+            step, args = step_inputs(spec.model, spec.schedule.batch_size)
+            out.append(table(profile(step, *args), f"{spec.id} train step", n_top=6))
+    return "\n".join(out)
 
 
 if __name__ == "__main__":

@@ -132,8 +132,9 @@ def _synthetic_batch(batch: int, seq: int, vocab: int, seed: int = 0) -> dict:
             "loss_mask": np.ones((batch, seq), np.float32)}
 
 
-def our_candidate(group: str, name: str, cfg, batch_size: int, note: str = "") -> Candidate:
-    """The project's jitted train step (smelt_jax.train.step), compiled and run once before timing."""
+def step_inputs(cfg, batch_size: int, **jit_kwargs) -> tuple:
+    """The project's train step for `cfg` (smelt_jax.train.step), jitted with `jit_kwargs`, and its
+    arguments: (step, [params, optimizer state, a random-token batch of `batch_size` rows, lr 1e-3])."""
     import jax
     import jax.numpy as jnp
 
@@ -141,20 +142,26 @@ def our_candidate(group: str, name: str, cfg, batch_size: int, note: str = "") -
     from smelt_jax.train.state import init_params
     from smelt_jax.train.step import make_train_step, optimizer
 
+    sched = Schedule(batch_size=batch_size, seq_len=cfg.seq_len, stable_steps=1, fork_steps=(1,),
+                     decay_steps=1, warmup_steps=0, peak_lr=1e-3)
+    graphdef, params = init_params(cfg, 0)
+    tx = optimizer(sched)
+    batch = jax.device_put(_synthetic_batch(batch_size, cfg.seq_len, cfg.vocab))
+    step = jax.jit(make_train_step(graphdef, cfg, tx), **jit_kwargs)
+    return step, [params, tx.init(params), batch, jnp.float32(1e-3)]
+
+
+def our_candidate(group: str, name: str, cfg, batch_size: int, note: str = "") -> Candidate:
+    """The project's jitted train step (smelt_jax.train.step), compiled and run once before timing."""
+    import jax
+
     cand = Candidate(group, name, batch_size * cfg.seq_len, step_flops_per_token(cfg), None, cfg, note)
     started = time.perf_counter()
     try:
-        sched = Schedule(batch_size=batch_size, seq_len=cfg.seq_len, stable_steps=1, fork_steps=(1,),
-                         decay_steps=1, warmup_steps=0, peak_lr=1e-3)
-        graphdef, params = init_params(cfg, 0)
-        tx = optimizer(sched)
-        state = {"params": params, "opt": tx.init(params)}
-        train_step = jax.jit(make_train_step(graphdef, cfg, tx), donate_argnums=(0, 1))
-        batch = jax.device_put(_synthetic_batch(batch_size, cfg.seq_len, cfg.vocab))
-        lr = jnp.float32(1e-3)
+        train_step, args = step_inputs(cfg, batch_size, donate_argnums=(0, 1))
 
         def step() -> None:
-            state["params"], state["opt"], metrics = train_step(state["params"], state["opt"], batch, lr)
+            args[0], args[1], metrics = train_step(*args)
             jax.block_until_ready(metrics["loss"])
 
         step()  # compile

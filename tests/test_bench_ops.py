@@ -1,6 +1,8 @@
 """The op-kind profile of benchmarks/bench_ops.py reads the compiled program: each traced thunk of a small
 jitted function lands in the kind and named scope its HLO says (a matmul, a sort, a gather, elementwise)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -36,3 +38,20 @@ def test_kind_of_reads_fusion_bodies():
     assert {"matmul", "sort"} <= kinds
     assert bench_ops.part_of("jit(f)/transpose(jvp(moe))/experts/dot_general") == "expert FFN"
     assert bench_ops.part_of("jit(f)/add") == "other"
+
+
+def _looped(x, n):
+    with jax.named_scope("router"):
+        return jax.lax.fori_loop(0, n, lambda i, y: jnp.tanh(y @ x) + i, x)
+
+
+def test_thunks_count_each_trip_of_a_loop_body():
+    """A loop body's thunks are counted once per trip, under its scope: twice the trips, more thunks."""
+    x = jnp.eye(64) * 0.5
+    counts = {}
+    for n in (4, 8):
+        prof = bench_ops.profile(jax.jit(functools.partial(_looped, n=n)), x, calls=2)
+        counts[n] = prof.thunks.get("router", 0)
+        assert f"{sum(prof.thunks.values()):,.0f} thunks executed a call" in bench_ops.table(prof, "t")
+    assert counts[4] >= 4  # at least one thunk a trip
+    assert counts[8] - counts[4] >= 4  # four more trips, at least four more thunks
