@@ -14,7 +14,8 @@ Backends (`impl`; which one `auto` means is decided by `smelt_jax.kernels.backen
 - `megablox`: JAX's Pallas TPU grouped matmul (`interpret=True` off TPU); m is padded to the row tile.
 - `capacity`: scatter rows into [E, C, d] buffers, batched einsum, gather back. C = `capacity`
   (default m, the worst case, so nothing is dropped).
-- `tiled`: a loop over the experts, each walking its own rows in chunks of 256 / 64 / 16 / 8 rows
+- `tiled`: a loop over the experts, each walking its own rows in 256-row chunks and then one chunk per set
+  bit of the rest rounded up to 8 (128 / 64 / 32 / 16 / 8), gate and up as one product
   (`smelt_jax.kernels.tiled`): only the routed rows (each expert's rounded up to 8). CPU default.
 - `pallas`: the project's own Mosaic kernels (`smelt_jax.kernels.pallas_ffn.pallas_expert_ffn`).
 """
