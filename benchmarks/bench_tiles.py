@@ -1,5 +1,5 @@
 """The `tiled` expert backend before -> after issue 28 at the matched micro pairs' shapes (docs/kernels.md,
-"Many experts").
+"The `tiled` backend (CPU default)").
 
     python -m benchmarks.run tiles
 
