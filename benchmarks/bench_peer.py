@@ -21,9 +21,10 @@ Three tables, all from the same interleaved rounds: the peer table (tokens/s, GF
 loop-overhead ratio (looped / unlooped step time against executed-FLOP ratio at the issue shapes), and
 the matched SMELT/Baseline pairs' (micro-m-s95, micro-l-s97, nano) time ratio against their FLOP ratio.
 Each goal (ours >= 1.5x the peer; a pair's time / FLOP ratio <= 1.15) is judged on the per-round paired
-ratios: their median, the median's distribution-free interval over rounds (`median_interval`, >= 90%
-coverage from 11 rounds on), and "yes" / "no" only when the whole interval is on one side of the goal,
-"not resolved" otherwise (at +-0.1 of run-to-run spread, one median says little).
+ratios: their median, the median's distribution-free interval over rounds (`median_interval`: >= 90%
+coverage from 5 rounds on, narrower with more: 11 rounds take the 3rd smallest and largest), and "yes" /
+"no" only when the whole interval is on one side of the goal, "not resolved" otherwise (at +-0.1 of
+run-to-run spread, one median says little).
 
     .venv/bin/python -m benchmarks.bench_peer            # default rounds
     SMELT_BENCH_PEER_ROUNDS=1 SMELT_BENCH_PEER_STEPS=1 .venv/bin/python -m benchmarks.bench_peer   # quick
@@ -45,7 +46,7 @@ from collections.abc import Callable
 from benchmarks.cpu_info import cpu_line
 
 THREADS = 2
-ROUNDS = int(os.environ.get("SMELT_BENCH_PEER_ROUNDS", "11"))  # interleaved rounds (11: a 93% median interval)
+ROUNDS = int(os.environ.get("SMELT_BENCH_PEER_ROUNDS", "11"))  # interleaved rounds (11: a 93% interval, 3rd to 9th)
 STEPS = int(os.environ.get("SMELT_BENCH_PEER_STEPS", "1"))  # timed steps per candidate per round
 INSTALL_HINT = ".venv/bin/pip install -r requirements/bench.txt"
 OUR_IMPLS = ("auto", "capacity", "tiled", "ragged_dot")  # 'tiled' only where this checkout has it
