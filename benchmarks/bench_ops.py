@@ -12,8 +12,9 @@ module's text, and sum the time by
 
 Loops (`while`, `conditional`, `call`) are containers: their bodies' thunks are counted, the container
 itself is not. Each part's executed thunks a call are counted too (a loop body's once per trip): at the
-nano shapes the step's time follows that count more than its FLOPs (docs/performance.md, "The `tiled`
-walk by bits"), so `run` profiles the nano-d96 matched pair beside the issue-17 step. Thunk times are
+nano shapes the expert FFN's earlier walk spent its time on that count more than on its FLOPs
+(docs/performance.md, "The `tiled` walk by bits"), so `run` profiles the nano-d96 matched pair beside the
+issue-17 step. Thunk times are
 summed over threads, so with 2 threads the sum can exceed the wall time; the wall time of a call is
 reported beside it.
 

@@ -405,13 +405,10 @@ def pair_table(cands: list[Candidate]) -> str:
     return "\n".join(out)
 
 
-def peer_line(cands: list[Candidate]) -> str:
+def peer_line(ours: Candidate | None, peer: Candidate | None) -> str:
     """Ours (`auto`) against the specified peer row, paired per round: the median ratio of tokens per
     second, its interval and whether >= PEER_GOAL holds over all of it."""
-    ours = next((c for c in cands if c.group == "peer table" and "`auto`" in c.name and c.times), None)
-    peer = next((c for c in cands if c.group == "peer table" and c.name.startswith("transformers") and c.times),
-                None)
-    if not (ours and peer):
+    if not (ours and peer and ours.times and peer.times):
         return "\n**Ours against the peer**: not measured (a row failed or the peer is not installed)."
     per_token = ours.tokens / peer.tokens
     ratios = [r * per_token for r in paired_ratios(peer, ours)]  # peer time / our time = our speed / its
@@ -437,8 +434,8 @@ def tables(cands: list[Candidate], notes: list[str], header: str) -> str:
         vs_best = _fmt_ratio(c.tokens_per_s / best.tokens_per_s) if best else "n/a (no peer)"
         out.append(f"| {c.name} | {c.median_s:.3f} | {c.min_s:.3f} | {c.tokens_per_s:,.0f} | {c.gflops:.1f} | {vs_ref} "
                    f"| {vs_best} | {c.setup_s:.1f} |")
-    out.append(peer_line(cands))
     unlooped = next((c for c in cands if c.group == "peer table" and "`auto`" in c.name), None)
+    out.append(peer_line(unlooped, ref))
     looped = next((c for c in cands if c.group == "loop" and c.name.startswith("looped")), None)
     unrolled = next((c for c in cands if c.group == "loop" and c.name.startswith("unlooped")), None)
     out.append("\n**Loop overhead** at the same shapes, `expert_impl` auto (deliverable 3: measured only).\n")

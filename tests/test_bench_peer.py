@@ -54,8 +54,9 @@ def test_tables_judge_pairs_and_the_peer_on_paired_rounds():
         _cand("b", "pair", base, "close/baseline"),
         _cand("s", "pair", [t * r for t, r in zip(base, (1.0, 1.3, 1.1, 1.2, 1.05, 1.25, 1.12))], "close/smelt"),
     ]
-    line = bp.peer_line(cands)
-    assert "**2.00x**" in line and "goal >= 1.5x: yes" in line
+    text = bp.tables(cands, [], "")
+    assert "**2.00x**" in text and "goal >= 1.5x: yes" in text
+    assert "not measured" in bp.peer_line(cands[1], None)
     rows = {r.split("|")[1].strip(): r for r in bp.pair_table(cands).splitlines() if r.startswith("| ")}
     assert rows["slow"].rstrip(" |").endswith("no") and "**1.30**" in rows["slow"]
     assert rows["close"].rstrip(" |").endswith("not resolved")

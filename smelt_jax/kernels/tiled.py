@@ -16,10 +16,11 @@ tests/test_experts.py). A last chunk that runs past its group writes rows of the
 group's own chunks overwrite later (groups run in order); rows past sum(g) are zeroed at the end.
 
 Why chunks by bits: at the nano and micro shapes (tens to a few hundred rows per expert, d 16-256) the
-expert FFN is bound by XLA:CPU's cost per executed thunk, not by its matmuls: at the nano-d96 SMELT shape
-(74 experts, d 66, f 122, 8,192 rows) one layer's forward + backward ran 8,272 thunks for 1.2 GFLOP with
-the earlier walk (chunks of 256 / 64 / 16 / 8 in four while loops, gate and up as two products) and
-4,985 with this one (docs/performance.md, "The `tiled` walk by bits").
+earlier walk (chunks of 256 / 64 / 16 / 8 in four while loops, gate and up as two products) was bound by
+XLA:CPU's cost per executed thunk: at the nano-d96 SMELT shape (74 experts, d 66, f 122, 8,192 rows) one
+layer's forward + backward ran 8,272 thunks for 1.2 GFLOP, and 4,985 with this walk (docs/performance.md,
+"The `tiled` walk by bits"). What is left there is the small products' own speed, not their number
+(docs/performance.md, "What is left at the nano pairs").
 
 The backward is a `custom_vjp` with the same loop (while loops have no reverse-mode autodiff): per chunk
 the gate|up product is recomputed, the chunk's output cotangent is masked to its group, and the expert's
