@@ -87,9 +87,10 @@ def _ablation(variant: str, seed: int = 0) -> RunSpec:
         model = ablation_config(variant)
     arch = "looped" if model.is_looped else "baseline"
     rate = nano.PEAK_LR["smelt" if model.is_looped else "baseline", ABLATION_WIDTH]
-    suffix = f"-seed{seed}" if seed else ""
+    suffix = f".seed{seed}" if seed else ""
     return _spec(nano.scale_name(ABLATION_WIDTH), arch, model,
-                 nano.schedule(rate, (ABLATION_HORIZON,), seed=seed), "ablations" + suffix, variant + suffix)
+                 nano.schedule(rate, (ABLATION_HORIZON,), seed=seed), "ablations" + suffix.replace(".", "-"),
+                 variant + suffix)
 
 
 def build() -> list[RunSpec]:

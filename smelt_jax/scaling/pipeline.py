@@ -18,7 +18,7 @@ import pandas as pd
 
 from smelt_jax import paper
 from smelt_jax.errors import MissingInput, UsageError
-from smelt_jax.scaling import bootstrap, endpoints, fit, gains, health, io, preregistered, tables
+from smelt_jax.scaling import bootstrap, endpoints, fit, gains, health, io, nano2_report, preregistered, tables
 from smelt_jax.scaling.laws import LAWS, ChinchillaLaw, SmeltLaw
 
 
@@ -287,8 +287,10 @@ def gain_grid(points: pd.DataFrame) -> tuple[list[float], list[float]]:
 # L(F, D) per architecture, its pass/fail test, with "noise_pairs" {repeat pair_id: pair_id it repeats}
 # kept out of the fits and "expected_points" the endpoints per architecture the test was written for).
 DEFAULT_PROTOCOL = {"analysis": "smelt-law", "bootstrap_draws": 200, "seed": 0, "noise_pairs": {},
-                    "expected_points": None}
-ANALYSES = ("smelt-law", "preregistered-fd")
+                    "expected_points": None, "reference_suites": []}
+# "nano2": docs/results-nano2.md's comparisons (scaling/nano2.py), reading the "reference_suites"' results.csv
+# beside the folder.
+ANALYSES = ("smelt-law", "preregistered-fd", "nano2")
 
 
 def suite_protocol(out_dir) -> dict:
@@ -380,6 +382,9 @@ def _fit_suite_into(folder: Path, out_dir: Path, results: pd.DataFrame, protocol
     """`fit_suite_table`'s steps, written into `folder` (recording `out_dir` as the fits' input)."""
     if protocol["analysis"] == "preregistered-fd":
         return _preregistered_into(folder, results, protocol)
+    if protocol["analysis"] == "nano2":
+        references = {suite: read_suite_results(out_dir.parent / suite) for suite in protocol["reference_suites"]}
+        return nano2_report.write(folder, results, references)
     points = endpoints.fit_points(results)
     points.to_csv(folder / "points.csv", index=False, float_format="%.8g")
     for arch in ("baseline", "smelt"):
