@@ -67,3 +67,23 @@ def test_the_quickstart_table_is_the_formula_of_its_own_steps():
     total = re.search(r"\| \*\*all\*\* \| \| \| \*\*([\d,]+)\*\* \|", section)
     assert total, section
     assert abs(int(total.group(1).replace(",", "")) - sum(int(h.replace(",", "")) for *_, h in rows)) <= 16
+
+
+def test_price_per_budget_flop_and_the_paper_savings_priced_in_chip_hours():
+    """chip-s per PFLOP = step x chips / (F x batch tokens) x 1e15; the SMELT / Baseline price ratio per
+    pair; the paper's 7.8% FLOP saving at (1e20, 0.95) at a price ratio of 1.3 is a chip-hour loss."""
+    from smelt_jax.budget import train_flops_per_token
+
+    b, s = _pair("100m", "s95")
+    per_step = lambda run: train_flops_per_token(run.model) * run.schedule.batch_size * run.schedule.seq_len
+    assert pair_cost.chip_seconds_per_pflop(b, _result(b, 0.2)) == pytest.approx(0.2 * 64 / per_step(b) * 1e15)
+    assert pair_cost.chip_seconds_per_pflop(b, _result(b, 0.2, status="does not fit")) is None
+    s_step = 1.3 * 0.2 * per_step(s) / per_step(b)  # a SMELT step that costs 1.3x per budget FLOP
+    rows = pair_cost.step_ratios([b, s], [_result(b, 0.2), _result(s, s_step)])
+    assert len(rows) == 1 and rows[0]["ratio"] == pytest.approx(1.3)
+    assert pair_cost.chip_hour_saving(0.078, 1.3) == pytest.approx(1 - 0.922 * 1.3)
+    assert pair_cost.chip_hour_saving(0.2, 1.0) == pytest.approx(0.2)
+    table = pair_cost.price_table([b, s], [_result(b, 0.2), _result(s, s_step)])
+    assert "| 100M S95 |" in table and "| 1.30 |" in table
+    assert "| 1e+20 | 0.95 | 7.8% [3, 15] | 1.30 [1.30, 1.30] | -19.9% [-19.9%, -19.9%] |" in table
+    assert "| 1e+20 | 0.85 |" not in table  # no S85 pair priced: no row

@@ -1,7 +1,9 @@
 """What a matched pair costs on TPU, from the compile report: chip-hours of its two runs.
 
     chip_hours(run, result) = step_seconds x run.schedule.executed_steps x chips / 3600
-    cost_table(runs, results) -> markdown (one row per Baseline/SMELT pair, and the suite's total)
+    cost_table(runs, results) -> markdown (one row per Baseline/SMELT pair, and the suite's total),
+        followed by `price_table`: what a budget FLOP costs each member, and the paper's FLOP savings
+        priced in chip-hours at those prices
 
 `step_seconds` is the roofline lower bound of the compiled program (`compile.report.analyse`: the
 largest of compute, HBM traffic and ICI, plus the exposed expert exchange; docs/roofline.md), so every
@@ -13,6 +15,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import statistics
+
+from smelt_jax import paper
+from smelt_jax.budget import train_flops_per_token
 from smelt_jax.descriptors import RunSpec
 from smelt_jax.hardware import parse_slice
 
@@ -66,4 +72,69 @@ def cost_table(runs: Sequence[RunSpec], results: Sequence) -> str:
     n_pairs = sum(set(m) == {"baseline", "smelt"} for m in pairs.values())
     covered = "" if counted == n_pairs else f" ({counted} of {n_pairs} pairs)"
     lines.append(f"| **all{covered}** | | | **{total:,.0f}** |")
+    return "\n".join(lines) + "\n\n" + price_table(runs, results)
+
+
+def chip_seconds_per_pflop(run: RunSpec, result) -> float | None:
+    """Chip-seconds the compiled step spends per 1e15 budget FLOPs (the paper's count, `budget.py`:
+    F per token x the step's tokens); None where the run has no roofline step."""
+    step = result.report.step_seconds if result.status == "fits" and result.report else None
+    if step is None:
+        return None
+    flops = train_flops_per_token(run.model) * run.schedule.batch_size * run.schedule.seq_len
+    return step * parse_slice(result.slice).chips / flops * 1e15
+
+
+def step_ratios(runs: Sequence[RunSpec], results: Sequence) -> list[dict]:
+    """Per whole pair with both prices: label, sparsity_label, the two prices and SMELT / Baseline."""
+    members: dict[str, dict[str, float | None]] = {}
+    labels: dict[str, RunSpec] = {}
+    for run, result in zip(runs, results, strict=True):
+        members.setdefault(run.pair_id, {})[run.arch] = chip_seconds_per_pflop(run, result)
+        if run.arch == "baseline":
+            labels[run.pair_id] = run
+    rows = []
+    for pair, prices in members.items():
+        if pair in labels and prices.get("baseline") and prices.get("smelt"):
+            rows.append({"pair": _pair_label(labels[pair]), "sparsity_label": labels[pair].sparsity_label,
+                         "baseline": prices["baseline"], "smelt": prices["smelt"],
+                         "ratio": prices["smelt"] / prices["baseline"]})
+    return rows
+
+
+def chip_hour_saving(flop_saving: float, ratio: float) -> float:
+    """SMELT needs (1 - flop_saving) of the Baseline's FLOPs for the same loss, each at `ratio` times the
+    Baseline's chip-seconds per FLOP: it saves 1 - (1 - flop_saving) x ratio of the chip-hours."""
+    return 1.0 - (1.0 - flop_saving) * ratio
+
+
+def price_table(runs: Sequence[RunSpec], results: Sequence) -> str:
+    """Markdown: chip-seconds per budget PFLOP of each member and their ratio per pair; then the paper's
+    compute-equivalent FLOP savings (`paper.CE_GAIN`, its 95% interval) priced in chip-hours with the
+    median ratio of the pairs at that sparsity (the range over scales beside it). Estimates from
+    compiled programs' roofline steps, not measurements."""
+    rows = step_ratios(runs, results)
+    lines = ["What a budget FLOP costs (roofline step x chips / budget FLOPs of the step; an estimate from "
+             "compiled programs, not a measurement):", "",
+             "| pair | Baseline chip-s / PFLOP | SMELT chip-s / PFLOP | SMELT / Baseline |", "|---|---:|---:|---:|"]
+    lines += [f"| {r['pair']} | {r['baseline']:.2f} | {r['smelt']:.2f} | {r['ratio']:.2f} |" for r in rows]
+    by_label: dict[str, list[float]] = {}
+    for r in rows:
+        by_label.setdefault(r["sparsity_label"], []).append(r["ratio"])
+    lines += ["", "The paper's FLOP savings (CE gain at equal loss, its Table; 95% interval) priced in chip-hours: "
+              "chip-hour saving = 1 - (1 - FLOP saving) x SMELT / Baseline price, at the median price ratio of "
+              "the pairs at that sparsity (in brackets: at the lowest and highest ratio of its scales). Negative: "
+              "SMELT costs more chip-hours than its Baseline for the same loss.", "",
+              "| C (FLOPs) | S | FLOP saving (paper) | price ratio, median [range] | chip-hour saving [range] |",
+              "|---|---|---|---|---|"]
+    for (compute, sparsity), (gain, low, high) in sorted(paper.CE_GAIN.items()):
+        ratios = by_label.get(f"s{round(sparsity * 100)}")
+        if not ratios:
+            continue
+        median = statistics.median(ratios)
+        saving = chip_hour_saving(gain / 100, median)
+        lines.append(f"| {compute:.0e} | {sparsity:.2f} | {gain:.1f}% [{low}, {high}] | {median:.2f} "
+                     f"[{min(ratios):.2f}, {max(ratios):.2f}] | {saving:+.1%} "
+                     f"[{chip_hour_saving(gain / 100, max(ratios)):+.1%}, "
+                     f"{chip_hour_saving(gain / 100, min(ratios)):+.1%}] |")
     return "\n".join(lines) + "\n"
