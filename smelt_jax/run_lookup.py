@@ -25,6 +25,7 @@ from smelt_jax import storage, suites
 from smelt_jax.config import ConfigError
 from smelt_jax.descriptors import RunSpec
 from smelt_jax.errors import AmbiguousName, MissingInput, UnknownName, UsageError
+from smelt_jax.path_names import check_run_id
 from smelt_jax.rundir import runs_root
 
 def spec_from_record(record: dict, where, folder_id: str | None = None) -> RunSpec:
@@ -85,6 +86,7 @@ def _saved_urls(root: str, prefix: str) -> list[str]:
 def find_run(run_id: str, root=None) -> RunSpec:
     """The run with this id or unique id prefix: a suite's (`smelt_jax.suites`), else one saved under
     the runs root (`root`, default $SMELT_RUNS_DIR or ./runs). UnknownName names the nearest ids."""
+    check_run_id(run_id)  # it becomes part of a path (a folder name, a gs:// object name)
     try:
         return suites.find_run(run_id)
     except AmbiguousName:

@@ -32,6 +32,7 @@ LAYERS: dict[str, int] = {
     "matching": 0,
     "overrides": 0,  # --override key=value on a RunSpec
     "rundir": 0,  # paths only
+    "path_names": 0,  # the one check of path components from user input
     "storage": 0,  # the one storage module: local paths and gs://
     "checkpoint_format": 0,  # the checkpoint format on disk (no JAX)
     "suites": 0,  # the registry through which the library reaches experiments/
