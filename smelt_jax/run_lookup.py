@@ -27,6 +27,7 @@ from smelt_jax.descriptors import RunSpec
 from smelt_jax.errors import AmbiguousName, MissingInput, UnknownName, UsageError
 from smelt_jax.path_names import check_run_id
 from smelt_jax.rundir import runs_root
+from smelt_jax.suites import NoSuites
 
 def spec_from_record(record: dict, where, folder_id: str | None = None) -> RunSpec:
     """The RunSpec a run.json describes (`RunSpec.from_dict` ignores what the trainer added);
@@ -125,6 +126,32 @@ def saved_runs(root=None) -> tuple[list[RunSpec], list[str]]:
         except UnknownName:
             runs.append(run)
     return sorted(runs, key=lambda r: r.id), problems
+
+
+ORIGINS = ("grid", "override", "config")
+
+
+def run_origin(run: RunSpec) -> str:
+    """Where `run` came from (ORIGINS): "grid" when its suite defines exactly this run, "override" when
+    its suite defines a run at its coordinates (scale, sparsity, arch, variant) with other content (a
+    suite run changed by --override), else "config" (a config file's run, or an unknown suite)."""
+    try:
+        grid = suites.load_suite(run.suite)
+    except (UnknownName, NoSuites):
+        return "config"
+    if any(r.id == run.id for r in grid):
+        return "grid"
+    coordinates = (run.scale, run.sparsity_label, run.arch, run.variant)
+    same = any((r.scale, r.sparsity_label, r.arch, r.variant) == coordinates for r in grid)
+    return "override" if same else "config"
+
+
+def grid_ids(suite: str) -> set[str]:
+    """The ids of the suite's own runs (empty for a suite no source defines: a config file's)."""
+    try:
+        return {r.id for r in suites.load_suite(suite)}
+    except (UnknownName, NoSuites):
+        return set()
 
 
 def _parse_spec_text(text: str, path: str) -> object:

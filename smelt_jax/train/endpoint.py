@@ -30,6 +30,7 @@ def write_endpoint(run: RunSpec, branch: int, losses: dict[str, float], *, root:
                    rd: RunDir) -> dict:
     """Append the endpoint's row to the suite's results store, then write endpoint.json."""
     from smelt_jax.results import EndpointResult, append_result, git_commit
+    from smelt_jax.run_lookup import run_origin
     b = run.budget()
     tokens = run.schedule.branch_tokens(branch)
     result = EndpointResult(
@@ -38,7 +39,7 @@ def write_endpoint(run: RunSpec, branch: int, losses: dict[str, float], *, root:
         flops_per_token=b.train_flops_per_token, params=b.params_total, tokens=tokens,
         cumulative_flops=b.train_flops_per_token * tokens, val_loss=losses["overall"],
         losses_by_source={k: v for k, v in losses.items() if k != "overall"},
-        git_commit=git_commit())
+        git_commit=git_commit(), origin=run_origin(run))
     append_result(result, results_dir(run.suite, root))
     row = result.to_row()
     storage.write_json(rd.endpoint(branch), row)
