@@ -27,31 +27,8 @@ from smelt_jax.descriptors import RunSpec
 from smelt_jax.errors import AmbiguousName, MissingInput, UnknownName, UsageError
 from smelt_jax.path_names import check_run_id
 from smelt_jax.rundir import runs_root
+from smelt_jax.run_spec_file import read_run_spec
 from smelt_jax.suites import NoSuites
-
-def spec_from_record(record: dict, where, folder_id: str | None = None) -> RunSpec:
-    """The RunSpec a run.json describes (`RunSpec.from_dict` ignores what the trainer added);
-    `folder_id`: the id the folder is named after, which the spec must give again."""
-    try:
-        run = RunSpec.from_dict(record)
-    except ConfigError as err:
-        raise ConfigError(f"{where}: {err}") from None
-    for expected in {record.get("id"), folder_id} - {None}:
-        if run.id != expected:
-            raise ConfigError(f"{where} describes run {run.id} under this code, not {expected} (the code "
-                              "that computes ids changed since it was written); train it as a new run")
-    return run
-
-
-def _read_record(path) -> dict:
-    try:
-        record = json.loads(storage.read_text(path))
-    except (ValueError, UnicodeDecodeError) as err:
-        raise ConfigError(f"{path}: not a run spec ({' '.join(str(err).split())})") from None
-    if not isinstance(record, dict):
-        raise ConfigError(f"{path}: a run spec is one JSON object")
-    return record
-
 
 def _saved_files(root, prefix: str = "") -> list:
     """run.json files of run folders `<root>/<suite>/<id>/` whose id starts with `prefix`. On gs:// an
@@ -99,7 +76,7 @@ def find_run(run_id: str, root=None) -> RunSpec:
     exact = [f for f in files if Path(str(f)).parent.name == run_id]
     if exact or len(files) == 1:
         chosen = (exact or files)[0]
-        return spec_from_record(_read_record(chosen), chosen, Path(str(chosen)).parent.name)
+        return read_run_spec(chosen, Path(str(chosen)).parent.name)
     if files:
         shown = ", ".join(Path(str(f)).parent.name for f in files[:6]) + (", ..." if len(files) > 6 else "")
         raise AmbiguousName(f"{run_id!r} is the start of {len(files)} saved run ids under {root} ({shown}); "
@@ -117,7 +94,7 @@ def saved_runs(root=None) -> tuple[list[RunSpec], list[str]]:
     runs, problems = [], []
     for path in _saved_files(root):
         try:
-            run = spec_from_record(_read_record(path), path, Path(str(path)).parent.name)
+            run = read_run_spec(path, Path(str(path)).parent.name)
         except ConfigError as err:
             problems.append(str(err))
             continue

@@ -20,7 +20,9 @@ def write_spec(run: RunSpec, rd: RunDir, data: dict | None = None) -> None:
     `smelt_jax.run_data`), once: an existing one is kept. It is also the spec by which commands find a
     run no suite defines (`smelt_jax.run_lookup`)."""
     if not storage.exists(rd.spec_file):
-        record = {**run.to_dict(), "metadata": run_metadata()}
+        from smelt_jax.run_spec_file import spec_digest
+        spec = run.to_dict()
+        record = {**spec, "metadata": {**run_metadata(), "spec_digest": spec_digest(spec)}}
         if data is not None:
             record["data"] = data
         storage.write_json(rd.spec_file, record)
