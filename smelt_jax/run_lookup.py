@@ -139,8 +139,19 @@ def _parse_spec_text(text: str, path: str) -> object:
             raise ConfigError(f"{path}: not valid JSON ({' '.join(str(err).split())})") from None
     import yaml  # YAML is a superset of JSON: any other name is read as YAML
 
+    class _Loader(yaml.SafeLoader):
+        """safe_load, refusing a key given twice in one mapping (YAML would keep the last silently)."""
+
+    def mapping(loader, node, deep=False):
+        keys = [loader.construct_object(key, deep=deep) for key, _ in node.value]
+        twice = sorted({str(k) for k in keys if keys.count(k) > 1})
+        if twice:
+            raise ConfigError(f"{path}: key {', '.join(twice)} given twice (line {node.start_mark.line + 1})")
+        return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
+
+    _Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=_Loader)  # noqa: S506 — a SafeLoader subclass
     except yaml.YAMLError as err:
         raise ConfigError(f"{path}: not valid YAML ({' '.join(str(err).split())[:200]})") from None
 

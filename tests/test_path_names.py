@@ -137,3 +137,4 @@ def test_variants_of_equal_content_have_distinct_ids():
 
 def test_config_error_is_the_base():
     assert issubclass(path_names.UnsafeName, ConfigError)
+
