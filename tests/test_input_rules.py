@@ -24,3 +24,10 @@ def test_the_compilation_cache_goes_to_the_users_cache_folder(monkeypatch, tmp_p
     monkeypatch.delenv("XDG_CACHE_HOME")
     folder = default_cache_dir()
     assert PACKAGE_DIR not in folder.parents and checkout_root() not in folder.parents
+
+
+def test_a_binary_results_csv_is_refused_naming_the_file(tmp_path, capsys):
+    (tmp_path / "results.csv").write_bytes(bytes(range(128, 256)) * 20)
+    assert main(["fit-suite", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(tmp_path / "results.csv") in err and "not a text CSV" in err, err

@@ -78,6 +78,8 @@ def read_input(path) -> pd.DataFrame:
         raise UsageError(f"{path}: empty file (no header, no rows)") from None
     except pd.errors.ParserError as err:
         raise UsageError(f"{path}: not a CSV table ({str(err).splitlines()[0]})") from None
+    except UnicodeDecodeError as err:
+        raise UsageError(f"{path}: not a text CSV table (a binary file? {err.reason} at byte {err.start})") from None
 
 
 def fit_to_dir(input_path, law_name: str, out_dir, *, arch: str | None = None, method: str = "huber",
