@@ -82,18 +82,23 @@ def endpoint_checks(results: pd.DataFrame, root: Path | None = None) -> list[str
     return problems
 
 
-def fit_and_report(out_dir: Path) -> DemoReport:
+def fit_and_report(out_dir: Path, include_custom: bool = False) -> DemoReport:
     """Fit `out_dir/results.csv` per architecture and write the tables (scaling.pipeline.fit_suite_table,
     the folder's bootstrap protocol); every degenerate, unidentified or failed fit is reported in the
-    returned report, never raised."""
+    returned report, never raised. Off-grid rows (config-file, --override) are left out, and counted in
+    the report, unless `include_custom`."""
     from smelt_jax.scaling import health, io
-    from smelt_jax.scaling.pipeline import fit_suite_table, gain_report
+    from smelt_jax.scaling.pipeline import fit_suite_table, gain_report, off_grid_rows
 
     report = DemoReport()
+    left_out = 0 if include_custom else off_grid_rows(out_dir)
+    if left_out:
+        report.warnings.append(f"{left_out} off-grid rows of results.csv (config-file or --override runs) "
+                               "left out of the fit; --include-custom takes them")
     with np.errstate(all="ignore"), warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # degenerate laws overflow: reported below
         try:
-            report.paths = fit_suite_table(out_dir)
+            report.paths = fit_suite_table(out_dir, include_custom)
         except ValueError as err:  # a table the law cannot be fitted to (too few or invalid points)
             report.warnings.append(f"no fit: {err}")
             return report

@@ -9,14 +9,12 @@ never share one.
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Any
 
 from smelt_jax import budget as budget_lib
 from smelt_jax.config import ConfigError, ModelConfig, Schedule, content_hash, value_problem
 from smelt_jax.errors import UsageError
-
-_NAME = re.compile(r"^[a-z0-9][a-z0-9.]*$")
+from smelt_jax.path_names import check_name
 # What a run's data must be tokenized with (`RunSpec.tokenizer`): "" any tokenizer whose ids fit the
 # model's vocabulary; "bytes" the embedded byte-level tokenizer; "hf" a Hugging Face tokenizer.json
 # (e.g. a byte-level BPE from `smelt data tokenizer train`) of exactly `model.vocab` ids.
@@ -27,6 +25,9 @@ TOKENIZER_KINDS = ("", "bytes", "hf")
 # to run.json (metadata, data), ignored so that a run.json is a config file too; and the defaults of
 # the keys a config file may leave out.
 DERIVED_KEYS = ("id", "budget", "metadata", "data")
+# The RunSpec strings that reach a path (the id, hence the run folder; layout keys), each checked by
+# `path_names.check_name`; the other strings never name a file (tests/test_path_names.py holds both lists).
+PATH_FIELDS = ("suite", "scale", "sparsity_label", "arch", "variant")
 SPEC_DEFAULTS = {"suite": "custom", "scale": "custom", "sparsity_label": "custom", "arch": "custom"}
 
 
@@ -97,10 +98,9 @@ class RunSpec:
     tokenizer: str = ""
 
     def __post_init__(self) -> None:
-        for name in ("suite", "scale", "sparsity_label", "arch"):
-            if not _NAME.match(getattr(self, name)):
-                raise ConfigError(f"RunSpec.{name} {getattr(self, name)!r} must be lower-case "
-                                  "letters, digits and dots")
+        # The names that become the run's folder and id (`rundir`): one check (smelt_jax.path_names).
+        for name in PATH_FIELDS:
+            check_name(getattr(self, name), f"RunSpec.{name}", empty_ok=name == "variant")
         if self.tokenizer not in TOKENIZER_KINDS:
             raise ConfigError(f"RunSpec.tokenizer {self.tokenizer!r} not in {TOKENIZER_KINDS}")
 

@@ -84,6 +84,9 @@ class EndpointResult:
     losses_by_source: Mapping[str, float] = dataclasses.field(default_factory=dict)
     git_commit: str = ""
     time: str = ""  # ISO 8601 UTC; filled at append when empty
+    # Where the run came from (`run_lookup.run_origin`): "grid" (its suite's own run), "override" (a suite
+    # run changed by --override), "config" (a config file's); "" in rows written before it was recorded.
+    origin: str = ""
 
     def __post_init__(self) -> None:
         if not self.run_id or not isinstance(self.run_id, str):

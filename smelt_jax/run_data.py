@@ -19,9 +19,9 @@ run.json written before runs recorded their data is not checked (said once per p
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from smelt_jax import storage
 from smelt_jax.errors import UsageError
@@ -81,10 +81,11 @@ def check_checkpoint_data(run_id: str, step: int, metadata: dict, current: dict)
 
 def recorded_data(spec_file) -> tuple[bool, dict | None]:
     """(whether the run's run.json exists, its "data" record or None)."""
+    from smelt_jax.run_spec_file import read_run_record
     if not storage.exists(spec_file):
         return False, None
-    record = json.loads(storage.read_text(spec_file))
-    data = record.get("data") if isinstance(record, dict) else None
+    record = read_run_record(spec_file, Path(str(spec_file)).parent.name)  # damaged or edited: one line
+    data = record.get("data")
     return True, data if isinstance(data, dict) else None
 
 

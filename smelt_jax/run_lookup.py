@@ -25,31 +25,10 @@ from smelt_jax import storage, suites
 from smelt_jax.config import ConfigError
 from smelt_jax.descriptors import RunSpec
 from smelt_jax.errors import AmbiguousName, MissingInput, UnknownName, UsageError
+from smelt_jax.path_names import check_run_id
 from smelt_jax.rundir import runs_root
-
-def spec_from_record(record: dict, where, folder_id: str | None = None) -> RunSpec:
-    """The RunSpec a run.json describes (`RunSpec.from_dict` ignores what the trainer added);
-    `folder_id`: the id the folder is named after, which the spec must give again."""
-    try:
-        run = RunSpec.from_dict(record)
-    except ConfigError as err:
-        raise ConfigError(f"{where}: {err}") from None
-    for expected in {record.get("id"), folder_id} - {None}:
-        if run.id != expected:
-            raise ConfigError(f"{where} describes run {run.id} under this code, not {expected} (the code "
-                              "that computes ids changed since it was written); train it as a new run")
-    return run
-
-
-def _read_record(path) -> dict:
-    try:
-        record = json.loads(storage.read_text(path))
-    except (ValueError, UnicodeDecodeError) as err:
-        raise ConfigError(f"{path}: not a run spec ({' '.join(str(err).split())})") from None
-    if not isinstance(record, dict):
-        raise ConfigError(f"{path}: a run spec is one JSON object")
-    return record
-
+from smelt_jax.run_spec_file import read_run_spec
+from smelt_jax.suites import NoSuites
 
 def _saved_files(root, prefix: str = "") -> list:
     """run.json files of run folders `<root>/<suite>/<id>/` whose id starts with `prefix`. On gs:// an
@@ -85,6 +64,7 @@ def _saved_urls(root: str, prefix: str) -> list[str]:
 def find_run(run_id: str, root=None) -> RunSpec:
     """The run with this id or unique id prefix: a suite's (`smelt_jax.suites`), else one saved under
     the runs root (`root`, default $SMELT_RUNS_DIR or ./runs). UnknownName names the nearest ids."""
+    check_run_id(run_id)  # it becomes part of a path (a folder name, a gs:// object name)
     try:
         return suites.find_run(run_id)
     except AmbiguousName:
@@ -96,7 +76,7 @@ def find_run(run_id: str, root=None) -> RunSpec:
     exact = [f for f in files if Path(str(f)).parent.name == run_id]
     if exact or len(files) == 1:
         chosen = (exact or files)[0]
-        return spec_from_record(_read_record(chosen), chosen, Path(str(chosen)).parent.name)
+        return read_run_spec(chosen, Path(str(chosen)).parent.name)
     if files:
         shown = ", ".join(Path(str(f)).parent.name for f in files[:6]) + (", ..." if len(files) > 6 else "")
         raise AmbiguousName(f"{run_id!r} is the start of {len(files)} saved run ids under {root} ({shown}); "
@@ -114,7 +94,7 @@ def saved_runs(root=None) -> tuple[list[RunSpec], list[str]]:
     runs, problems = [], []
     for path in _saved_files(root):
         try:
-            run = spec_from_record(_read_record(path), path, Path(str(path)).parent.name)
+            run = read_run_spec(path, Path(str(path)).parent.name)
         except ConfigError as err:
             problems.append(str(err))
             continue
@@ -125,6 +105,32 @@ def saved_runs(root=None) -> tuple[list[RunSpec], list[str]]:
     return sorted(runs, key=lambda r: r.id), problems
 
 
+ORIGINS = ("grid", "override", "config")
+
+
+def run_origin(run: RunSpec) -> str:
+    """Where `run` came from (ORIGINS): "grid" when its suite defines exactly this run, "override" when
+    its suite defines a run at its coordinates (scale, sparsity, arch, variant) with other content (a
+    suite run changed by --override), else "config" (a config file's run, or an unknown suite)."""
+    try:
+        grid = suites.load_suite(run.suite)
+    except (UnknownName, NoSuites):
+        return "config"
+    if any(r.id == run.id for r in grid):
+        return "grid"
+    coordinates = (run.scale, run.sparsity_label, run.arch, run.variant)
+    same = any((r.scale, r.sparsity_label, r.arch, r.variant) == coordinates for r in grid)
+    return "override" if same else "config"
+
+
+def grid_ids(suite: str) -> set[str]:
+    """The ids of the suite's own runs (empty for a suite no source defines: a config file's)."""
+    try:
+        return {r.id for r in suites.load_suite(suite)}
+    except (UnknownName, NoSuites):
+        return set()
+
+
 def _parse_spec_text(text: str, path: str) -> object:
     if path.endswith(".json"):
         try:
@@ -133,8 +139,19 @@ def _parse_spec_text(text: str, path: str) -> object:
             raise ConfigError(f"{path}: not valid JSON ({' '.join(str(err).split())})") from None
     import yaml  # YAML is a superset of JSON: any other name is read as YAML
 
+    class _Loader(yaml.SafeLoader):
+        """safe_load, refusing a key given twice in one mapping (YAML would keep the last silently)."""
+
+    def mapping(loader, node, deep=False):
+        keys = [loader.construct_object(key, deep=deep) for key, _ in node.value]
+        twice = sorted({str(k) for k in keys if keys.count(k) > 1})
+        if twice:
+            raise ConfigError(f"{path}: key {', '.join(twice)} given twice (line {node.start_mark.line + 1})")
+        return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
+
+    _Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=_Loader)  # noqa: S506 — a SafeLoader subclass
     except yaml.YAMLError as err:
         raise ConfigError(f"{path}: not valid YAML ({' '.join(str(err).split())[:200]})") from None
 

@@ -29,6 +29,7 @@ import dataclasses
 import os
 from pathlib import Path
 
+from smelt_jax.path_names import check_inside, check_name, check_run_id
 from smelt_jax.storage import as_path
 
 
@@ -67,12 +68,18 @@ class RunDir:
 
 
 def run_dir(suite: str, run_id: str, root: Path | None = None) -> RunDir:
-    return RunDir(as_path(root or runs_root()) / suite / run_id)
+    """The run's folder; `path_names.UnsafeName` (one line) unless suite and id are safe names and the
+    folder lies under the root."""
+    base = results_dir(suite, root)
+    folder = base / check_run_id(run_id)
+    return RunDir(check_inside(folder, base, f"run folder of {run_id}"))
 
 
 def results_dir(suite: str, root: Path | None = None) -> Path:
-    """The folder of the suite's results store (`smelt_jax.results`: results.parquet + .csv)."""
-    return as_path(root or runs_root()) / suite
+    """The folder of the suite's results store (`smelt_jax.results`: results.parquet + .csv), and of its
+    runs; `path_names.UnsafeName` unless `suite` is a safe name."""
+    base = as_path(root or runs_root())
+    return check_inside(base / check_name(suite, "suite"), base, f"folder of suite {suite}")
 
 
 def results_path(suite: str, root: Path | None = None) -> Path:

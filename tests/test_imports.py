@@ -32,6 +32,9 @@ LAYERS: dict[str, int] = {
     "matching": 0,
     "overrides": 0,  # --override key=value on a RunSpec
     "rundir": 0,  # paths only
+    "path_names": 0,
+    "memory_estimate": 0,  # a run's memory per device, estimated before anything is written
+    "run_spec_file": 0,  # run.json read through one function (damaged or edited: one line)  # the one check of path components from user input
     "storage": 0,  # the one storage module: local paths and gs://
     "checkpoint_format": 0,  # the checkpoint format on disk (no JAX)
     "suites": 0,  # the registry through which the library reaches experiments/

@@ -17,7 +17,6 @@ length, not towards the fragment that one packed row holds.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -196,6 +195,7 @@ def load_model(target: str, branch: int | None = None, *, root: Path | None = No
 
     from smelt_jax.config import ModelConfig, Schedule
     from smelt_jax.rundir import RunDir
+    from smelt_jax.run_spec_file import read_run_record
     from smelt_jax.train.checkpoint import Checkpointer, abstract_like
     from smelt_jax.train.state import abstract_train_state
     from smelt_jax.train.step import optimizer
@@ -205,7 +205,7 @@ def load_model(target: str, branch: int | None = None, *, root: Path | None = No
         raise UsageError(f"{target} is branch {path_branch}, but --branch {branch} was given")
     branch = path_branch if path_branch is not None else branch
     step = path_step if path_step is not None else step
-    run = json.loads((run_root / "run.json").read_text())
+    run = read_run_record(run_root / "run.json")  # damaged or edited: one line, before any restore
     cfg = ModelConfig.from_dict(run["config"])
     schedule = Schedule.from_dict(run["schedule"])
     folder = RunDir(run_root).checkpoints(branch)

@@ -94,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return USER_ERROR
     try:
+        from smelt_jax.path_names import check_arguments
+        check_arguments(vars(args))  # every path-bearing argument, before the command runs
         return int(args.handler(args) or 0)
     except SmeltError as err:  # the user's input was wrong: one line; anything else is a bug
         print(f"smelt: error: {err}", file=sys.stderr)

@@ -76,7 +76,7 @@ def _fit_suite(args) -> int:
 
     if not (Path(args.fit_dir) / "results.csv").exists():
         raise CliError(f"{args.fit_dir}: no results.csv (write it with `smelt results export --suite SUITE`)")
-    report = fit_and_report(Path(args.fit_dir))
+    report = fit_and_report(Path(args.fit_dir), include_custom=args.include_custom)
     if not report.paths:  # nothing was fitted (the folder is as it was): one line, exit 2
         raise CliError("; ".join(report.warnings) or f"{args.fit_dir}: no fit")
     for path in sorted(set(report.paths)):
@@ -139,6 +139,9 @@ def register(subparsers) -> None:
                                           "DIR/fit.json), CE gains, wins, empirical and per-source gains, "
                                           "residuals, and tables of DIR/lengths.csv and DIR/ablations.csv.")
     p.add_argument("fit_dir", metavar="DIR", help="a suite folder holding results.csv (e.g. fits/smelt16)")
+    p.add_argument("--include-custom", action="store_true",
+                   help="also fit the rows of config-file and --override runs (an `--include-custom` export's "
+                        "origin column); by default only the suite's own grid runs")
     p.set_defaults(handler=_fit_suite)
 
     p = subparsers.add_parser("fits-all", help="regenerate everything under fits/ deterministically",

@@ -126,8 +126,9 @@ def cmd_collect(args) -> int:
 def cmd_export(args) -> int:
     from smelt_jax.sweep.collect import export
     out = Path(args.out) if args.out else Path("fits") / args.suite / "results.csv"
-    rows = export(args.suite, out, _runs_root(args.runs_dir))
-    print(f"{args.suite}: {rows} endpoint rows -> {out}")
+    rows, left_out = export(args.suite, out, _runs_root(args.runs_dir), include_custom=args.include_custom)
+    note = f" ({left_out} off-grid rows left out: --include-custom takes them)" if left_out else ""
+    print(f"{args.suite}: {rows} endpoint rows -> {out}{note}")
     return 0
 
 
@@ -219,5 +220,8 @@ def register(subparsers) -> None:
                                                   "fits it (docs/scaling.md).")
     export.add_argument("--suite", required=True, help="suite name")
     export.add_argument("--out", help="output CSV (default fits/SUITE/results.csv)")
+    export.add_argument("--include-custom", action="store_true",
+                        help="also export the config-file and --override runs saved under the suite (with an "
+                             "origin column); by default only the suite's own grid runs")
     export.add_argument("--runs-dir", help="runs root holding the store (default $SMELT_RUNS_DIR or ./runs)")
     export.set_defaults(handler=cmd_export)

@@ -78,6 +78,8 @@ def read_input(path) -> pd.DataFrame:
         raise UsageError(f"{path}: empty file (no header, no rows)") from None
     except pd.errors.ParserError as err:
         raise UsageError(f"{path}: not a CSV table ({str(err).splitlines()[0]})") from None
+    except UnicodeDecodeError as err:
+        raise UsageError(f"{path}: not a text CSV table (a binary file? {err.reason} at byte {err.start})") from None
 
 
 def fit_to_dir(input_path, law_name: str, out_dir, *, arch: str | None = None, method: str = "huber",
@@ -336,17 +338,28 @@ def check_endpoint_rows(results: pd.DataFrame, where: str) -> None:
                          "`smelt results export`")
 
 
-def read_suite_results(out_dir) -> pd.DataFrame:
-    """`out_dir/results.csv` checked: the store's columns, and every endpoint row fittable."""
+def read_suite_results(out_dir, include_custom: bool = False) -> pd.DataFrame:
+    """`out_dir/results.csv` checked: the store's columns, and every endpoint row fittable. Rows whose
+    `origin` (an `--include-custom` export's column) is not "grid" are left out unless `include_custom`
+    (`off_grid_rows` counts them)."""
     path = Path(out_dir) / "results.csv"
     if not path.exists():
         raise MissingInput(f"{out_dir}: no results.csv (write it with `smelt results export --suite SUITE`)")
     results = endpoints.check_table(read_input(path), str(path))
+    if not include_custom and "origin" in results.columns:
+        results = results[results["origin"].astype(str) == "grid"].reset_index(drop=True)
     check_endpoint_rows(results, str(path))
     return results
 
 
-def fit_suite_table(out_dir) -> list[Path]:
+def off_grid_rows(out_dir) -> int:
+    """Rows of `out_dir/results.csv` that are not the suite's own grid runs (its `origin` column)."""
+    path = Path(out_dir) / "results.csv"
+    results = read_input(path) if path.exists() else pd.DataFrame()
+    return int((results["origin"].astype(str) != "grid").sum()) if "origin" in results.columns else 0
+
+
+def fit_suite_table(out_dir, include_custom: bool = False) -> list[Path]:
     """A trained suite's endpoints (`out_dir/results.csv`, the results store's rows) -> the law's input
     (`points.csv`: sparse endpoints), the smelt law fitted per architecture into baseline/ and smelt/
     with the folder's bootstrap protocol (`fit.json`), the pair's CE-gain tables and figures over the
@@ -357,7 +370,7 @@ def fit_suite_table(out_dir) -> list[Path]:
     renames) only when every step succeeded; on any error the folder is left as it was."""
     out_dir = Path(out_dir)
     protocol = suite_protocol(out_dir)
-    results = read_suite_results(out_dir)
+    results = read_suite_results(out_dir, include_custom)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.fitting-", dir=out_dir.parent))
     try:
         os.chmod(staging, 0o777 & ~_umask())

@@ -68,6 +68,11 @@ def is_placeholder(value: str) -> bool:
     return bool(_PLACEHOLDER.search(value))
 
 
+# Settings that may stay empty but, when given, must not hold a placeholder: every --submit checks them
+# (with its backend's required fields) through `CloudSettings.placeholders`, the one check.
+OPTIONAL_CHECKED = ("data_dir", "reservation", "queue")
+
+
 # How a slice is paid for: spot (preemptible, cheapest; the jobs retry), on-demand, or reserved (a
 # reservation: `--reservation NAME`, or the zone's reservation for the project).
 CAPACITIES = ("spot", "on-demand", "reserved")
@@ -121,10 +126,12 @@ class CloudSettings:
 
     def placeholders(self, fields: tuple[str, ...] = ("image", "bucket", "project", "zone")) -> list[str]:
         """The flags among `fields` still at a placeholder (the default, or a value with PROJECT,
-        BUCKET, ... left in)."""
+        BUCKET, ... left in), and every optional setting given with one left in (OPTIONAL_CHECKED:
+        `--data-dir gs://BUCKET/...`, as the quick start prints it)."""
         defaults = CloudSettings()
-        return [f"--{f}" for f in fields
-                if getattr(self, f) == getattr(defaults, f) or is_placeholder(getattr(self, f))]
+        required = [f for f in fields if getattr(self, f) == getattr(defaults, f) or is_placeholder(getattr(self, f))]
+        given = [f for f in OPTIONAL_CHECKED if f not in fields and getattr(self, f) and is_placeholder(getattr(self, f))]
+        return [f"--{f.replace('_', '-')}" for f in required + given]
 
     def submit_problem(self, fields: tuple[str, ...] = ("image", "bucket", "project", "zone")) -> str | None:
         """Why these settings cannot be submitted (one line), or None."""

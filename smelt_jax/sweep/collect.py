@@ -153,18 +153,36 @@ def collect(root: str | Path | None = None, suites: list[str] | None = None,
     return [collect_suite(name, local) for name in names]
 
 
-def export(suite: str, out_path: str | Path, root: Path | None = None) -> int:
+def export(suite: str, out_path: str | Path, root: Path | None = None,
+           include_custom: bool = False) -> tuple[int, int]:
     """Writes the suite's results store (`<runs root>/<suite>`, local) as a suite fit folder keeps it
-    (`fits/<suite>/results.csv`: scaling.endpoints.export_table); returns the number of endpoint rows."""
+    (`fits/<suite>/results.csv`: scaling.endpoints.export_table): the suite's own grid runs only, unless
+    `include_custom` (then every row, with an `origin` column: grid, override, config). Returns (endpoint
+    rows written, off-grid rows left out)."""
     from smelt_jax.results import read_results
     from smelt_jax.rundir import results_dir
+    from smelt_jax.run_lookup import grid_ids
     from smelt_jax.scaling.endpoints import export_table
 
     table = read_results(results_dir(suite, root))
     if table.empty:
         raise MissingInput(f"no endpoint rows for suite {suite!r} under {results_dir(suite, root)} "
                            "(`smelt results collect` first)")
+    on_grid = table["run_id"].astype(str).isin(grid_ids(suite))
+    left_out = int((~on_grid).sum())
+    if not include_custom:
+        if not on_grid.any():
+            raise MissingInput(f"none of the {len(table)} endpoint rows of suite {suite!r} is one of the "
+                               "suite's own runs (config-file or --override runs): pass --include-custom "
+                               "to export them")
+        table = table[on_grid]
+    out = export_table(table)
+    if include_custom:  # the grid as the suite defines it now; off it, the origin recorded (or "custom")
+        stored = table["origin"].fillna("").astype(str) if "origin" in table.columns else on_grid.map(str)
+        origin = stored.where(stored.isin(("override", "config")), "custom").where(~on_grid, "grid")
+        out["origin"] = origin.loc[table.sort_values(["run_id", "branch"], kind="stable").index].to_numpy()
+        left_out = 0
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    export_table(table).to_csv(out_path, index=False, float_format="%.8g")
-    return len(table)
+    out.to_csv(out_path, index=False, float_format="%.8g")
+    return len(out), left_out

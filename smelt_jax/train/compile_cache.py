@@ -12,12 +12,18 @@ import jax
 from smelt_jax import storage
 
 
+def default_cache_dir() -> Path:
+    """The user's cache folder for compiled programs: $XDG_CACHE_HOME/smelt_jax/xla (XDG_CACHE_HOME
+    defaulting to ~/.cache), never inside the installed package or the checkout."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "smelt_jax" / "xla"
+
+
 def enable_compilation_cache(folder: str | None = None) -> str:
     """Persist compiled programs across processes in `folder` (default $SMELT_XLA_CACHE, else
-    data_cache/xla): the decay branches and resumed runs of a sweep recompile the same train step.
+    `default_cache_dir()`): the decay branches and resumed runs of a sweep recompile the same train step.
     Returns the folder."""
-    from smelt_jax.data.corpus import default_data_dir
-    folder = folder or os.environ.get("SMELT_XLA_CACHE") or str(default_data_dir() / "xla")
+    folder = folder or os.environ.get("SMELT_XLA_CACHE") or str(default_cache_dir())
     if not storage.is_gcs(folder):  # a gs:// cache is written by jax itself (through etils.epath)
         Path(folder).mkdir(parents=True, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", folder)

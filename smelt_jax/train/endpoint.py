@@ -20,7 +20,9 @@ def write_spec(run: RunSpec, rd: RunDir, data: dict | None = None) -> None:
     `smelt_jax.run_data`), once: an existing one is kept. It is also the spec by which commands find a
     run no suite defines (`smelt_jax.run_lookup`)."""
     if not storage.exists(rd.spec_file):
-        record = {**run.to_dict(), "metadata": run_metadata()}
+        from smelt_jax.run_spec_file import spec_digest
+        spec = run.to_dict()
+        record = {**spec, "metadata": {**run_metadata(), "spec_digest": spec_digest(spec)}}
         if data is not None:
             record["data"] = data
         storage.write_json(rd.spec_file, record)
@@ -30,6 +32,7 @@ def write_endpoint(run: RunSpec, branch: int, losses: dict[str, float], *, root:
                    rd: RunDir) -> dict:
     """Append the endpoint's row to the suite's results store, then write endpoint.json."""
     from smelt_jax.results import EndpointResult, append_result, git_commit
+    from smelt_jax.run_lookup import run_origin
     b = run.budget()
     tokens = run.schedule.branch_tokens(branch)
     result = EndpointResult(
@@ -38,7 +41,7 @@ def write_endpoint(run: RunSpec, branch: int, losses: dict[str, float], *, root:
         flops_per_token=b.train_flops_per_token, params=b.params_total, tokens=tokens,
         cumulative_flops=b.train_flops_per_token * tokens, val_loss=losses["overall"],
         losses_by_source={k: v for k, v in losses.items() if k != "overall"},
-        git_commit=git_commit())
+        git_commit=git_commit(), origin=run_origin(run))
     append_result(result, results_dir(run.suite, root))
     row = result.to_row()
     storage.write_json(rd.endpoint(branch), row)

@@ -253,6 +253,19 @@ class _Phase:
                         check=lambda: self.check_stop("during the final evaluation"))
 
 
+def device_bytes() -> int | None:
+    """What one device holds: its memory limit (GPU, TPU), else the host's memory shared by the local CPU
+    devices; None when unknown."""
+    import os
+    stats = jax.local_devices()[0].memory_stats() or {}
+    if stats.get("bytes_limit"):
+        return int(stats["bytes_limit"])
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // jax.local_device_count()
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 def train(run: RunSpec, branch: int | None = None, *, root: Path | None = None, corpus=None,
           options: TrainOptions = TrainOptions(), parallelism: Parallelism | None = None,
           data_dir: str | None = None) -> dict[str, Any]:
@@ -272,6 +285,9 @@ def train(run: RunSpec, branch: int | None = None, *, root: Path | None = None, 
     from smelt_jax.train import lock as lock_lib
 
     lr_lib.phase_steps(run.schedule, branch)  # a bad branch fails before anything is written
+    from smelt_jax.memory_estimate import check_fits
+    layout = parallelism if parallelism is not None else run.parallelism
+    check_fits(run, options.devices or jax.device_count(), device_bytes(), layout.remat)  # DoesNotFit: one line
     with StopSignal() as stop:
         corpus, data = run_data.data_for_run(run.id, run_dir(run.suite, run.id, root).spec_file, corpus=corpus,
                                              data_dir=data_dir, open_store=_open_store)
