@@ -34,7 +34,7 @@ LAYERS: dict[str, int] = {
     "rundir": 0,  # paths only
     "path_names": 0,
     "memory_estimate": 0,  # a run's memory per device, estimated before anything is written
-    "run_spec_file": 0,  # run.json read through one function (damaged or edited: one line)  # the one check of path components from user input
+    "run_spec_file": 0,  # run.json read through one function (damaged or edited: one line)
     "storage": 0,  # the one storage module: local paths and gs://
     "checkpoint_format": 0,  # the checkpoint format on disk (no JAX)
     "suites": 0,  # the registry through which the library reaches experiments/

@@ -8,6 +8,7 @@ import pytest
 import experiments
 from smelt_jax.compile import layout_search as ls
 from smelt_jax.compile import pair_cost
+from smelt_jax import paper
 from smelt_jax.compile import report as cr
 from smelt_jax.paths import checkout_root
 
@@ -83,7 +84,7 @@ def test_price_per_budget_flop_and_the_paper_savings_priced_in_chip_hours():
     assert len(rows) == 1 and rows[0]["ratio"] == pytest.approx(1.3)
     assert pair_cost.chip_hour_saving(0.078, 1.3) == pytest.approx(1 - 0.922 * 1.3)
     assert pair_cost.chip_hour_saving(0.2, 1.0) == pytest.approx(0.2)
-    table = pair_cost.price_table([b, s], [_result(b, 0.2), _result(s, s_step)])
+    table = pair_cost.price_table([b, s], [_result(b, 0.2), _result(s, s_step)], paper.CE_GAIN)
     assert "| 100M S95 |" in table and "| 1.30 |" in table
     assert "| 1e+20 | 0.95 | 7.8% [3, 15] | 1.30 [1.30, 1.30] | -19.9% [-19.9%, -19.9%] |" in table
     assert "| 1e+20 | 0.85 |" not in table  # no S85 pair priced: no row

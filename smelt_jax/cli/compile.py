@@ -52,6 +52,7 @@ def cmd_compile_report(args) -> int:
 
     import experiments
     from experiments import placement
+    from smelt_jax import paper
     from smelt_jax.compile import layout_search as ls
 
     from smelt_jax.compile.checkpoint_cadence import cadence_file
@@ -64,7 +65,7 @@ def cmd_compile_report(args) -> int:
         cache_dir=Path(args.cache_dir) if args.cache_dir else ls.CACHE_DIR,
         markdown_out=Path(args.out) if args.out else None, json_out=Path(json_out) if json_out else None,
         costs_out=Path(args.costs_out) if args.costs_out else None,
-        cadence_out=Path(cadence_out) if cadence_out else None,
+        cadence_out=Path(cadence_out) if cadence_out else None, flop_savings=paper.CE_GAIN,
         log=lambda line: print(line, file=sys.stderr, flush=True))
     print(report.summary())
     return 0

@@ -343,6 +343,7 @@ def compile_suite(runs: Sequence[RunSpec], policy: SearchPolicy, *, suite: str,
                   cache_dir: Path = CACHE_DIR, markdown_out: Path | None = None,
                   json_out: Path | None = None, costs_out: Path | None = None,
                   cadence_out: Path | None = None, command: str | None = None,
+                  flop_savings: dict | None = None,
                   compile_fn: Callable[..., CompileReport] | None = None,
                   trace_fn: Callable[..., Any] | None = None,
                   libtpu: tuple[bool, str] | None = None,
@@ -354,8 +355,8 @@ def compile_suite(runs: Sequence[RunSpec], policy: SearchPolicy, *, suite: str,
     outside `only` (scales or layout keys), or once `time_budget` seconds have passed. Reports cached
     before program FLOPs and collectives were recorded get them (`complete_analysis`). Writes the
     markdown table section of `markdown_out`, the layouts file `json_out`, the pair-cost section of
-    `costs_out` (`compile.pair_cost`) and the checkpoint cadence file `cadence_out`
-    (`compile.checkpoint_cadence`) when given.
+    `costs_out` (`compile.pair_cost`, with `flop_savings` priced in chip-hours when given) and the
+    checkpoint cadence file `cadence_out` (`compile.checkpoint_cadence`) when given.
     """
     from smelt_jax.compile import aot, report
 
@@ -401,7 +402,7 @@ def compile_suite(runs: Sequence[RunSpec], policy: SearchPolicy, *, suite: str,
         written.append(out)
     if costs_out:
         out = Path(costs_out)
-        out.write_text(replace_generated(out.read_text() if out.exists() else "", cost_table(runs, in_order),
+        out.write_text(replace_generated(out.read_text() if out.exists() else "", cost_table(runs, in_order, flop_savings),
                                          COST_BEGIN, COST_END))
         log(f"wrote {out}")
         written.append(out)

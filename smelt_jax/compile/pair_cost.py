@@ -2,8 +2,8 @@
 
     chip_hours(run, result) = step_seconds x run.schedule.executed_steps x chips / 3600
     cost_table(runs, results) -> markdown (one row per Baseline/SMELT pair, and the suite's total),
-        followed by `price_table`: what a budget FLOP costs each member, and the paper's FLOP savings
-        priced in chip-hours at those prices
+        followed, given the paper's FLOP savings, by `price_table`: what a budget FLOP costs each member,
+        and those savings priced in chip-hours
 
 `step_seconds` is the roofline lower bound of the compiled program (`compile.report.analyse`: the
 largest of compute, HBM traffic and ICI, plus the exposed expert exchange; docs/roofline.md), so every
@@ -17,7 +17,6 @@ from collections.abc import Sequence
 
 import statistics
 
-from smelt_jax import paper
 from smelt_jax.budget import train_flops_per_token
 from smelt_jax.descriptors import RunSpec
 from smelt_jax.hardware import parse_slice
@@ -39,7 +38,7 @@ def _pair_label(run: RunSpec) -> str:
     return f"{run.scale.upper()} {run.sparsity_label.upper()}" + (f" {run.variant}" if run.variant else "")
 
 
-def cost_table(runs: Sequence[RunSpec], results: Sequence) -> str:
+def cost_table(runs: Sequence[RunSpec], results: Sequence, flop_savings: dict | None = None) -> str:
     """Markdown: per pair the slice, both roofline steps and the pair's chip-hours (>=), then the total;
     `results[i]` belongs to `runs[i]`. A pair with a member not (yet) compiled shows why and adds
     nothing to the total, which then says how many pairs it covers."""
@@ -72,7 +71,7 @@ def cost_table(runs: Sequence[RunSpec], results: Sequence) -> str:
     n_pairs = sum(set(m) == {"baseline", "smelt"} for m in pairs.values())
     covered = "" if counted == n_pairs else f" ({counted} of {n_pairs} pairs)"
     lines.append(f"| **all{covered}** | | | **{total:,.0f}** |")
-    return "\n".join(lines) + "\n\n" + price_table(runs, results)
+    return "\n".join(lines) + "\n" + ("\n" + price_table(runs, results, flop_savings) if flop_savings else "")
 
 
 def chip_seconds_per_pflop(run: RunSpec, result) -> float | None:
@@ -108,9 +107,10 @@ def chip_hour_saving(flop_saving: float, ratio: float) -> float:
     return 1.0 - (1.0 - flop_saving) * ratio
 
 
-def price_table(runs: Sequence[RunSpec], results: Sequence) -> str:
+def price_table(runs: Sequence[RunSpec], results: Sequence, flop_savings: dict) -> str:
     """Markdown: chip-seconds per budget PFLOP of each member and their ratio per pair; then the paper's
-    compute-equivalent FLOP savings (`paper.CE_GAIN`, its 95% interval) priced in chip-hours with the
+    compute-equivalent FLOP savings (`flop_savings`: {(C, S): (percent, low, high)}, as
+    `smelt_jax.paper.CE_GAIN` holds them, with its 95% interval) priced in chip-hours with the
     median ratio of the pairs at that sparsity (the range over scales beside it). Estimates from
     compiled programs' roofline steps, not measurements."""
     rows = step_ratios(runs, results)
@@ -127,7 +127,7 @@ def price_table(runs: Sequence[RunSpec], results: Sequence) -> str:
               "SMELT costs more chip-hours than its Baseline for the same loss.", "",
               "| C (FLOPs) | S | FLOP saving (paper) | price ratio, median [range] | chip-hour saving [range] |",
               "|---|---|---|---|---|"]
-    for (compute, sparsity), (gain, low, high) in sorted(paper.CE_GAIN.items()):
+    for (compute, sparsity), (gain, low, high) in sorted(flop_savings.items()):
         ratios = by_label.get(f"s{round(sparsity * 100)}")
         if not ratios:
             continue
