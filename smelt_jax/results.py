@@ -164,17 +164,20 @@ def _new_file_mode() -> int:
 
 def _replace_atomically(path: Path, write) -> None:
     """Write through `write(temp_path)` into a temporary sibling, fsync it, then rename it over `path`."""
-    handle, temp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(handle)
-    try:
-        os.chmod(temp, _new_file_mode())
-        write(temp)
-        with open(temp, "rb") as written:
-            os.fsync(written.fileno())
-        os.replace(temp, path)
-    finally:
-        if os.path.exists(temp):
-            os.remove(temp)
+    from smelt_jax import storage as gcs
+
+    with gcs.naming(path):
+        handle, temp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        os.close(handle)
+        try:
+            os.chmod(temp, _new_file_mode())
+            write(temp)
+            with open(temp, "rb") as written:
+                os.fsync(written.fileno())
+            os.replace(temp, path)
+        finally:
+            if os.path.exists(temp):
+                os.remove(temp)
 
 
 def _order_columns(frame: pd.DataFrame) -> pd.DataFrame:

@@ -18,6 +18,7 @@ Deletion is key by key, never `delete_range`, for the same reason.
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import functools
 import os
@@ -138,15 +139,39 @@ def write_bytes(url, data: bytes) -> None:
         _bucket(bucket).write(key, bytes(data)).result()
         return
     path = Path(text)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    with naming(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+        try:
+            with os.fdopen(fd, "wb") as handle:
+                handle.write(data)
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+
+def tensorstore_os_error(err: BaseException) -> OSError | None:
+    """tensorstore reports a failed file access as a ValueError whose text ends in
+    `[os_error_code='28']` and names the file: that as an OSError (errno, reason, file), else None."""
+    text = " ".join(str(err).split())
+    code = re.search(r"os_error_code='?(\d+)", text)
+    if code is None:
+        return None
+    where = re.search(r'(?:local file|Failed writing:|Failed reading:) "([^"]+)"', text)
+    return OSError(int(code.group(1)), os.strerror(int(code.group(1))), where.group(1) if where else None)
+
+
+@contextlib.contextmanager
+def naming(path):
+    """An OSError raised inside without a file name (a full disk during `write()`: "No space left on
+    device") gets `path` as its file name, so the one-line error says where."""
     try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        yield
+    except OSError as err:
+        if err.filename is None and err.errno is not None and err.strerror:
+            err.filename = str(path)
+        raise
 
 
 def write_json(url, data) -> None:

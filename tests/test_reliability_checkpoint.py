@@ -137,7 +137,7 @@ def test_failed_background_save_on_a_full_tmpfs_is_noticed_without_waiting(tmp_p
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     line = next(x for x in result.stdout.splitlines() if x.startswith("STOPPED"))
     assert "step 2" in line and "No space left on device" in line
-    assert "newest good checkpoint is step 1" in line
+    assert "the run resumes from step 1 (" in line and f"{folder}/1)" in line
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
     print(line[:200])
 
@@ -155,3 +155,37 @@ def test_clean_temporary_removes_what_a_failed_save_left(tmp_path):
         assert writer.all_steps() == [1]
     assert not (tmp_path / "2.orbax-checkpoint-tmp-99").exists()
     np.testing.assert_array_equal(Checkpointer(tmp_path).restore(_state(0))[1]["w"], _state(1)["w"])
+
+
+def _fail_next_save(ckpt: Checkpointer) -> None:
+    def full(*_args, **_kwargs):
+        raise OSError(28, "No space left on device")
+    ckpt._manager.save = full
+
+
+def test_a_failed_save_names_the_step_the_run_really_resumes_from(tmp_path):
+    """Before: "the newest good checkpoint is step 2, and the run resumes from it" although step 2 was
+    damaged (the next run moves it aside and restores step 1)."""
+    from smelt_jax.train.checkpoint import CheckpointSaveError
+    with Checkpointer(tmp_path, max_to_keep=5) as ckpt:
+        for step in (1, 2):
+            ckpt.save(step, _state(step))
+        ckpt.wait()
+        _truncate(tmp_path / "2")
+        _fail_next_save(ckpt)
+        with pytest.raises(CheckpointSaveError) as failed:
+            ckpt.save(3, _state(3))
+    line = str(failed.value)
+    assert "step 3" in line and "No space left on device" in line
+    assert f"the run resumes from step 1 ({tmp_path / '1'}) once the cause is fixed" in line
+
+
+def test_a_failed_save_with_no_checkpoint_says_the_phase_starts_again(tmp_path):
+    """Before: "no checkpoint of this phase is committed yet, and the run resumes from it"."""
+    from smelt_jax.train.checkpoint import CheckpointSaveError
+    with Checkpointer(tmp_path, max_to_keep=5) as ckpt:
+        _fail_next_save(ckpt)
+        with pytest.raises(CheckpointSaveError) as failed:
+            ckpt.save(1, _state(1))
+    assert str(failed.value).endswith("no checkpoint of this phase is saved, so the run starts the phase again "
+                                      "once the cause is fixed")

@@ -416,7 +416,7 @@ def test_smelt_train_on_a_full_tmpfs_stops_at_the_failed_save_with_one_line(tmp_
     lines = [line for line in result.stderr.splitlines() if line.strip() and line[:2] not in ("I1", "W1")]
     assert len(lines) == 1, result.stderr[-3000:]
     assert "step 10" in lines[0] and "No space left on device" in lines[0]
-    assert "no checkpoint of this phase is committed yet" in lines[0]
+    assert "no checkpoint of this phase is saved, so the run starts the phase again" in lines[0]
     metrics = next(tmp_path.glob("unit/*/stable/metrics.jsonl"))
     steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
     assert 10 <= max(steps) < 20, steps  # stopped right after the failed save, not at the next one

@@ -187,7 +187,14 @@ FAKE_GCLOUD = """#!/usr/bin/env bash
 D="$FAKE_GCLOUD_DIR"
 echo "$*" >> "$D/calls"
 case "$*" in
-  *"queued-resources describe"*) [ -f "$D/slice" ] && echo ACTIVE || exit 1 ;;
+  *"queued-resources describe"*)
+    failures=$(cat "$D/describe_failures" 2>/dev/null || echo 0)  # transient errors still to give
+    if [ "$failures" -gt 0 ]; then
+      echo $((failures - 1)) > "$D/describe_failures"
+      echo "ERROR: (gcloud.compute.tpus.queued-resources.describe) UNAVAILABLE: try again" >&2; exit 1
+    fi
+    [ -f "$D/slice" ] && echo ACTIVE && exit 0
+    echo "ERROR: (gcloud.compute.tpus.queued-resources.describe) NOT_FOUND: Resource was not found" >&2; exit 1 ;;
   *"queued-resources create"*) touch "$D/slice" ;;
   *"queued-resources delete"*) rm -f "$D/slice" ;;
   *"tpu-vm ssh"*)
@@ -209,7 +216,7 @@ def fake_gcloud_env(tmp_path, outcomes):
     (bin_dir / "gcloud").chmod(0o755)
     (state / "outcomes").write_text("\n".join(outcomes) + "\n")
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_GCLOUD_DIR": str(state),
-           "SMELT_POLL_SECONDS": "0"}
+           "SMELT_POLL_SECONDS": "0", "SMELT_DESCRIBE_RETRY_SECONDS": "0"}
     return env, state
 
 
@@ -355,6 +362,17 @@ def test_sweep_cli_passes_capacity_and_queue(tmp_path, capsys):
     assert "needs --capacity reserved" in capsys.readouterr().err
 
 
+def test_tpu_vm_refuses_queue_in_one_line(tmp_path, capsys):
+    """Before: --queue was accepted and ignored by tpu-vm (it has queued resources, not a named queue)."""
+    from smelt_jax.cli import main
+    out = tmp_path / "out"
+    assert main(["sweep", "submit", "--suite", "smoke", "--backend", "tpu-vm", "--out", str(out),
+                 "--queue", "team-a"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "--queue names the Kueue LocalQueue of the xpk backend" in err
+    assert not out.exists()
+
+
 @pytest.mark.integration
 def test_tpu_vm_cancel_waits_for_the_trap_then_deletes_what_is_left(tmp_path):
     """cancel kills the running loop and waits for it (its trap deletes the slice), so the cancel's
@@ -388,3 +406,40 @@ def test_tpu_vm_cancel_waits_for_the_trap_then_deletes_what_is_left(tmp_path):
     (state / "slice").touch()  # a slice without a loop: cancel deletes it
     assert subprocess.run(["bash", "-c", command], env=env, timeout=60).returncode == 0
     assert not (state / "slice").exists()
+
+
+def test_tpu_vm_transient_describe_errors_are_retried_not_read_as_gone(tmp_path):
+    """Before: any describe error read as "slice gone": a second slice created, or the delete skipped."""
+    graph, jobs = golden_jobs()
+    env, state = fake_gcloud_env(tmp_path, ["0"])
+    (state / "describe_failures").write_text("3\n")  # under DESCRIBE_TRIES
+    script = tmp_path / "job.sh"
+    script.write_text(job_script(graph, jobs[1], SETTINGS))
+    (state / "slice").touch()  # an ACTIVE slice of an earlier attempt
+    proc = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=60)
+    calls = (state / "calls").read_text().splitlines()
+    assert proc.returncode == 0, proc.stderr
+    assert not any("queued-resources create" in c for c in calls)  # the retried describe found it
+    assert not (state / "slice").exists()
+
+
+def test_tpu_vm_cleanup_never_reads_a_failing_describe_as_gone(tmp_path):
+    """describe failing every time (not NOT_FOUND): cancel still deletes, and says the slice may be billed
+    when the delete fails too."""
+    graph, jobs = golden_jobs()
+    out = tmp_path / "out"
+    backend = TpuVmBackend(dataclasses.replace(SETTINGS, out_dir=out))
+    env, state = fake_gcloud_env(tmp_path, [])
+    (state / "describe_failures").write_text("100\n")
+    (state / "slice").touch()
+    (command,) = backend.cancel(graph, [jobs[1].name])
+    done = subprocess.run(["bash", "-c", command], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "gcloud describe failed 5 times" in done.stderr and "may still be up and billed" in done.stderr
+    assert not (state / "slice").exists()  # deleted although its state could not be read
+    (bin_dir := tmp_path / "bin" / "gcloud").write_text(bin_dir.read_text().replace(
+        '*"queued-resources delete"*) rm -f "$D/slice" ;;', '*"queued-resources delete"*) exit 1 ;;'))
+    (state / "describe_failures").write_text("100\n")
+    done = subprocess.run(["bash", "-c", command], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    assert f"{jobs[1].name}: could not delete the slice; it may still be up and billed" in done.stderr

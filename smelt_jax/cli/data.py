@@ -154,6 +154,7 @@ def _describe_tokenizer(tokenizer) -> str:
 
 @filesystem_errors
 def _prepare(args) -> int:
+    from smelt_jax import storage
     from smelt_jax.data.hf_tokenizer import TokenizerError, load_tokenizer
     from smelt_jax.data.prepare import PrepareConfig, PrepareError, prepare
     from smelt_jax.data.token_store import StoreError
@@ -176,6 +177,11 @@ def _prepare(args) -> int:
                          progress=not args.quiet, clean_parts=args.clean_parts, subset=subset)
     except (TokenizerError, PrepareError, StoreError) as err:
         raise CliError(str(err)) from err
+    except ValueError as err:  # tensorstore's failed file write (a full disk): an OSError naming the file
+        found = storage.tensorstore_os_error(err)
+        if found is None:
+            raise
+        raise found from err
     if subset is not None:
         for failed in result.failed_shards:
             print(f"failed shard {failed['input']}: {failed['error']}")

@@ -6,7 +6,7 @@ import shlex
 from pathlib import Path
 
 from smelt_jax import suites
-from smelt_jax.cli import filesystem_errors
+from smelt_jax.cli import CliError, filesystem_errors
 from smelt_jax.sweep.base import CAPACITIES
 from smelt_jax.sweep.graph import JobGraph, JobStatus, suite_graph
 
@@ -21,6 +21,9 @@ def _runs_root(value: str | None):
 
 def _backend(args, suite: str):
     from smelt_jax.sweep.base import CloudSettings
+    if getattr(args, "queue", None) is not None and args.backend != "xpk":
+        raise CliError(f"--queue names the Kueue LocalQueue of the xpk backend; the {args.backend} backend "
+                       "has no such queue (tpu-vm: each job is its own queued resource), so it refuses --queue")
     root = _runs_root(args.runs_dir)
     if args.backend == "local":
         from smelt_jax.sweep.local import DEFAULT_COMMAND, LocalBackend, LocalSettings

@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 
 from smelt_jax import storage as gcs
-from smelt_jax.data import input_checks
+from smelt_jax.data import input_checks, worker_pool
 from smelt_jax.data import token_store as tsd
 from smelt_jax.errors import SmeltError, UsageError
 
@@ -339,12 +339,6 @@ def _print(progress: bool, message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
 
-def _pool(workers: int, initializer, initargs):
-    import multiprocessing
-
-    return multiprocessing.get_context("spawn").Pool(workers, initializer=initializer, initargs=initargs)
-
-
 STAGING_DIR = ".staging"  # under the store's root: the store being assembled, swapped in when complete
 
 
@@ -475,7 +469,7 @@ def prepare(inputs: list[str], out, tokenizer, config: PrepareConfig | None = No
         for url in urls:
             report(_shard_task(url))
     else:
-        with _pool(workers, _init_worker, initargs) as pool:
+        with worker_pool.pool(workers, _init_worker, initargs) as pool:
             for summary in pool.imap_unordered(_shard_task, urls):
                 report(summary)
     tokenize_seconds = time.time() - phase_start
@@ -542,7 +536,7 @@ def prepare(inputs: list[str], out, tokenizer, config: PrepareConfig | None = No
         for task in tasks:
             digests.update(_assemble_task(task))
     else:
-        with _pool(len(tasks), None, ()) as pool:
+        with worker_pool.pool(len(tasks)) as pool:
             for part in pool.imap_unordered(_assemble_task, tasks):
                 digests.update(part)
     arrays = {"tokens": {"dtype": dtype.str, "shape": [total],

@@ -10,6 +10,10 @@ Per job one script, `jobs/<name>.sh`, that owns a queued resource (a slice: spot
     exit 42, or the slice went away under it -> retry (at most max_restarts times)
     any other exit on a healthy slice        -> stop with that exit code
 
+A slice counts as gone only when `gcloud ... describe` answers NOT_FOUND. Any other failure of describe
+(network, quota, auth) is retried DESCRIBE_TRIES times, then the state is UNKNOWN: the script neither
+creates a second slice nor skips the delete, and says the slice may still be billed.
+
 Whatever way the script ends (done, a trainer failure, giving up, an error of its own, SIGTERM as
 `smelt sweep cancel` sends, SIGINT, SIGHUP of a terminal it was started from by hand), a bash EXIT trap
 stops the ssh and deletes the slice, so that no exit path leaves a slice up and billed.
@@ -39,6 +43,31 @@ from smelt_jax.sweep.tpu import tpu_slice, tpu_type_for
 
 from smelt_jax.exit_codes import PREEMPTED as RESTART_EXIT_CODE
 POLL_SECONDS = 60
+DESCRIBE_TRIES = 5  # describe failures other than NOT_FOUND before a slice's state is UNKNOWN
+DESCRIBE_RETRY_SECONDS = 10
+
+
+def slice_state_function(where: str) -> str:
+    """Bash `slice_state NAME`: prints the queued resource's state, MISSING only when gcloud says
+    NOT_FOUND, UNKNOWN (with a line on stderr) when describe fails otherwise DESCRIBE_TRIES times."""
+    return f"""slice_state() {{  # MISSING only on NOT_FOUND; UNKNOWN when describe keeps failing otherwise
+  local out err tries=0
+  err=$(mktemp)
+  while true; do
+    if out=$(gcloud compute tpus queued-resources describe "$1" {where} --format='value(state.state)' 2>"$err"); then
+      rm -f "$err"; echo "${{out:-UNKNOWN}}"; return 0
+    fi
+    if grep -q NOT_FOUND "$err"; then
+      rm -f "$err"; echo MISSING; return 0
+    fi
+    tries=$((tries + 1))
+    if [ "$tries" -ge {DESCRIBE_TRIES} ]; then
+      echo "$1: gcloud describe failed $tries times ($(tail -n1 "$err")); the slice may still be up and billed" >&2
+      rm -f "$err"; echo UNKNOWN; return 0
+    fi
+    sleep "${{SMELT_DESCRIBE_RETRY_SECONDS:-{DESCRIBE_RETRY_SECONDS}}}"
+  done
+}}"""
 
 
 def worker_command(job: Job, settings: CloudSettings) -> str:
@@ -87,9 +116,9 @@ MAX_RESTARTS={settings.max_restarts}
 POLL_SECONDS=${{SMELT_POLL_SECONDS:-{POLL_SECONDS}}}
 child=
 
+{slice_state_function(where)}
 state() {{
-  gcloud compute tpus queued-resources describe "$QR" {where} \\
-    --format='value(state.state)' 2>/dev/null || echo MISSING
+  slice_state "$QR"
 }}
 
 delete_slice() {{
@@ -104,10 +133,10 @@ cleanup() {{  # EXIT trap: stop the ssh, delete the slice if it is still there, 
     kill "$pid" 2>/dev/null
   done
   wait 2>/dev/null
-  if [ "$(state)" != MISSING ]; then
+  if [ "$(state)" != MISSING ]; then  # UNKNOWN too: never assume a slice is gone
     echo "$QR: deleting the slice (exit $rc)" >&2
-    delete_slice || echo "$QR: could not delete the slice; delete it by hand:" \\
-      "gcloud compute tpus queued-resources delete $QR {where} --force" >&2
+    delete_slice || echo "$QR: could not delete the slice; it may still be up and billed; delete it by" \\
+      "hand: gcloud compute tpus queued-resources delete $QR {where} --force" >&2
   fi
   exit "$rc"
 }}
@@ -127,7 +156,7 @@ ensure_active() {{  # 0 once the slice is ACTIVE, 1 if it failed or was preempte
     case "$(state)" in
       ACTIVE) return 0 ;;
       FAILED|SUSPENDED|MISSING) return 1 ;;
-    esac
+    esac  # UNKNOWN (describe kept failing): not gone, ask again
     sleep "$POLL_SECONDS"
   done
 }}
@@ -199,17 +228,20 @@ class TpuVmBackend:
                execute: bool = False) -> list[str]:
         """Stops the retry loop first (else it would recreate the slice) and waits for it: its EXIT
         trap deletes the slice. Then deletes the slice if it is still there (no loop was running, or
-        its delete failed)."""
+        its delete failed). A slice whose state cannot be read (describe failing but not NOT_FOUND)
+        is deleted too: only NOT_FOUND means gone."""
         s = self.settings
         where = [f"--project={s.project}", f"--zone={s.zone}"]
         commands = [
             f"pid=\"$(cat {self._out('logs', job.name + '.pid')} 2>/dev/null)\"; "
             "if [ -n \"$pid\" ] && kill \"$pid\" 2>/dev/null; then "
             "while kill -0 \"$pid\" 2>/dev/null; do sleep 1; done; fi; "
-            "if " + quote(["gcloud", "compute", "tpus", "queued-resources", "describe", job.name, *where])
-            + " >/dev/null 2>&1; then "
-            + quote(["gcloud", "compute", "tpus", "queued-resources", "delete", job.name, *where,
-                     "--force", "--quiet"]) + "; fi"
+            + slice_state_function(" ".join(where)) + "\n"
+            + f"case \"$(slice_state {job.name})\" in MISSING) ;; "
+            + "*) " + quote(["gcloud", "compute", "tpus", "queued-resources", "delete", job.name, *where,
+                             "--force", "--quiet"])
+            + f" || {{ echo '{job.name}: could not delete the slice; it may still be up and billed' >&2; exit 1; }} ;; "
+            + "esac"
             for job in graph.select(names)]
         if execute:
             execute_ready([PlannedJob(f"cancel-{i}", (c,)) for i, c in enumerate(commands)],

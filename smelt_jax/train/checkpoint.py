@@ -210,14 +210,30 @@ class Checkpointer:
     def _save_error(self, step: int, err: BaseException) -> CheckpointSaveError:
         quiet_failed_save_noise()
         if self._failed is None:
-            good = [s for s in self._committed_steps() if s != step]
-            kept = (f"the newest good checkpoint is step {good[-1]}" if good
-                    else "no checkpoint of this phase is committed yet")
+            good = self._resumable_step(step)
+            then = (f"the run resumes from step {good} ({storage.join(str(self.directory), str(good))})"
+                    if good is not None else
+                    "no checkpoint of this phase is saved, so the run starts the phase again")
             self._failed = CheckpointSaveError(
                 f"saving the checkpoint at step {step} in {self.directory} failed: "
-                f"{_cause(err)}; training stopped; {kept}, and the run resumes from it once the "
-                "cause is fixed")
+                f"{_cause(err)}; training stopped; {then} once the cause is fixed")
         return self._failed
+
+    def _resumable_step(self, failed: int) -> int | None:
+        """The step the next run restores after a failed save of `failed`: the newest committed step
+        that passes the cheap check (a step the failure damaged, e.g. a half-written checksum file on a
+        full disk, is moved aside then), or None."""
+        try:
+            steps = self._committed_steps()
+        except OSError:
+            return None  # cannot be listed now: nothing is promised
+        for step in reversed(steps):
+            try:
+                if step != failed and fmt.checkpoint_damage(self.directory, step) is None:
+                    return step
+            except (OSError, CheckpointAccessError):
+                continue  # cannot be checked now: not promised
+        return None
 
     def _committed_steps(self) -> list[int]:
         return fmt.committed_steps(self.directory)
@@ -395,16 +411,15 @@ def _short(err: BaseException, limit: int = 300) -> str:
 def _cause(err: BaseException) -> str:
     """The reason a save failed, short: the OS error when there is one (also inside tensorstore's
     messages, which end in `[os_error_code='28']`), else the end of the message."""
-    import re
     seen = err
     while seen is not None:
         if isinstance(seen, OSError) and seen.strerror:
             return f"{seen.strerror} [errno {seen.errno}]" + (f" ({seen.filename})" if seen.filename else "")
         seen = seen.__cause__ or seen.__context__
     text = " ".join(str(err).split())
-    code = re.search(r"os_error_code='?(\d+)", text)
-    if code:
-        return f"{os.strerror(int(code.group(1)))} [errno {code.group(1)}] ({type(err).__name__})"
+    found = storage.tensorstore_os_error(err)
+    if found is not None:
+        return f"{found.strerror} [errno {found.errno}] ({found.filename or type(err).__name__})"
     return f"{type(err).__name__}: " + (text if len(text) <= 300 else "..." + text[-300:])
 
 

@@ -63,9 +63,10 @@ class MetricsWriter:
         if self._fd < 0:
             self._open()
         view = memoryview(data)
-        while view:
-            written = os.write(self._fd, view)
-            view = view[written:]
+        with gcs.naming(self.path):
+            while view:
+                written = os.write(self._fd, view)
+                view = view[written:]
 
     def write(self, record: dict[str, Any]) -> None:
         self._write((json.dumps(record) + "\n").encode())

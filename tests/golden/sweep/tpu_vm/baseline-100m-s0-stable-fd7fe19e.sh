@@ -8,9 +8,26 @@ MAX_RESTARTS=20
 POLL_SECONDS=${SMELT_POLL_SECONDS:-60}
 child=
 
+slice_state() {  # MISSING only on NOT_FOUND; UNKNOWN when describe keeps failing otherwise
+  local out err tries=0
+  err=$(mktemp)
+  while true; do
+    if out=$(gcloud compute tpus queued-resources describe "$1" --project=smelt-proj --zone=us-east5-a --format='value(state.state)' 2>"$err"); then
+      rm -f "$err"; echo "${out:-UNKNOWN}"; return 0
+    fi
+    if grep -q NOT_FOUND "$err"; then
+      rm -f "$err"; echo MISSING; return 0
+    fi
+    tries=$((tries + 1))
+    if [ "$tries" -ge 5 ]; then
+      echo "$1: gcloud describe failed $tries times ($(tail -n1 "$err")); the slice may still be up and billed" >&2
+      rm -f "$err"; echo UNKNOWN; return 0
+    fi
+    sleep "${SMELT_DESCRIBE_RETRY_SECONDS:-10}"
+  done
+}
 state() {
-  gcloud compute tpus queued-resources describe "$QR" --project=smelt-proj --zone=us-east5-a \
-    --format='value(state.state)' 2>/dev/null || echo MISSING
+  slice_state "$QR"
 }
 
 delete_slice() {
@@ -25,10 +42,10 @@ cleanup() {  # EXIT trap: stop the ssh, delete the slice if it is still there, k
     kill "$pid" 2>/dev/null
   done
   wait 2>/dev/null
-  if [ "$(state)" != MISSING ]; then
+  if [ "$(state)" != MISSING ]; then  # UNKNOWN too: never assume a slice is gone
     echo "$QR: deleting the slice (exit $rc)" >&2
-    delete_slice || echo "$QR: could not delete the slice; delete it by hand:" \
-      "gcloud compute tpus queued-resources delete $QR --project=smelt-proj --zone=us-east5-a --force" >&2
+    delete_slice || echo "$QR: could not delete the slice; it may still be up and billed; delete it by" \
+      "hand: gcloud compute tpus queued-resources delete $QR --project=smelt-proj --zone=us-east5-a --force" >&2
   fi
   exit "$rc"
 }
@@ -48,7 +65,7 @@ ensure_active() {  # 0 once the slice is ACTIVE, 1 if it failed or was preempted
     case "$(state)" in
       ACTIVE) return 0 ;;
       FAILED|SUSPENDED|MISSING) return 1 ;;
-    esac
+    esac  # UNKNOWN (describe kept failing): not gone, ask again
     sleep "$POLL_SECONDS"
   done
 }
