@@ -36,6 +36,7 @@ def test_submit_refuses_a_placeholder_data_dir_in_one_line(tmp_path, monkeypatch
     monkeypatch.setattr(base.subprocess, "run", lambda *a, **k: pytest.fail("must not submit"))
     flags = [x for k, v in REAL.items() for x in (f"--{k}", v)]
     assert main(["sweep", "submit", "--suite", "smoke", "--backend", backend, "--submit", *flags,
-                 "--data-dir", "gs://BUCKET/tokens"]) == 2
+                 "--data-dir", "gs://BUCKET/tokens", "--out", str(tmp_path / "plan")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--data-dir" in err and "placeholder" in err, err
+    assert not (tmp_path / "plan").exists()  # refused before the plan (manifests, submit.sh) is written

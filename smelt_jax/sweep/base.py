@@ -203,17 +203,25 @@ def require_tool(tool: str, hint: str) -> None:
                           "Without --submit nothing is run, and the commands are written out.")
 
 
+def check_submittable(settings: CloudSettings, tool: str, hint: str,
+                      fields: tuple[str, ...] = ("image", "bucket", "project", "zone"),
+                      graph: JobGraph | None = None) -> None:
+    """UsageError (one line) while any of `fields` is a placeholder or the `graph`'s runs need data that
+    `settings` does not name, then while `tool` is missing. A backend's `submit --submit` calls it
+    before it writes its plan, so a refused submission leaves nothing behind."""
+    problem = settings.submit_problem(fields) or (data_problem(graph, settings) if graph else None)
+    if problem:
+        raise UsageError(problem)
+    require_tool(tool, hint)
+
+
 def execute_ready(planned: list[PlannedJob], statuses: dict[str, JobStatus], settings: CloudSettings,
                   tool: str, hint: str,
                   fields: tuple[str, ...] = ("image", "bucket", "project", "zone"),
                   graph: JobGraph | None = None) -> int:
     """Runs the commands of READY jobs; reports the others. Returns the number of failed submissions.
-    Refuses first (UsageError, one line) while any of `fields` is a placeholder or the `graph`'s runs
-    need data that `settings` does not name, then a missing tool."""
-    problem = settings.submit_problem(fields) or (data_problem(graph, settings) if graph else None)
-    if problem:
-        raise UsageError(problem)
-    require_tool(tool, hint)
+    Refuses first (`check_submittable`)."""
+    check_submittable(settings, tool, hint, fields, graph)
     failures = 0
     for job in planned:
         state = statuses[job.name]

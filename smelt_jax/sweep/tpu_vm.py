@@ -31,6 +31,7 @@ from pathlib import Path
 from smelt_jax.sweep.base import (
     CloudSettings,
     PlannedJob,
+    check_submittable,
     cloud_status,
     execute_ready,
     print_commands,
@@ -40,6 +41,8 @@ from smelt_jax.sweep.base import (
 )
 from smelt_jax.sweep.graph import Job, JobGraph, JobStatus
 from smelt_jax.sweep.tpu import tpu_slice, tpu_type_for
+
+GCLOUD_HINT = "install the Google Cloud CLI (cloud.google.com/sdk)"
 
 from smelt_jax.exit_codes import PREEMPTED as RESTART_EXIT_CODE
 POLL_SECONDS = 60
@@ -212,14 +215,15 @@ class TpuVmBackend:
         return planned
 
     def submit(self, graph: JobGraph, *, execute: bool = False) -> int:
+        if execute:
+            check_submittable(self.settings, "gcloud", GCLOUD_HINT, graph=graph)
         planned = self.plan(graph)
         script = write_plan(planned, Path(self.settings.out_dir),
                             f"TPU VM jobs for suite {graph.suite}: each runs in the background")
         if not execute:
             print_commands(planned, script)
             return 0
-        return execute_ready(planned, self.status(graph), self.settings, "gcloud",
-                             "install the Google Cloud CLI (cloud.google.com/sdk)", graph=graph)
+        return execute_ready(planned, self.status(graph), self.settings, "gcloud", GCLOUD_HINT, graph=graph)
 
     def status(self, graph: JobGraph) -> dict[str, JobStatus]:
         return cloud_status(graph, self.settings)

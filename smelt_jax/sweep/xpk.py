@@ -18,6 +18,7 @@ import yaml
 from smelt_jax.sweep.base import (
     CloudSettings,
     PlannedJob,
+    check_submittable,
     cloud_status,
     execute_ready,
     job_paths,
@@ -30,6 +31,8 @@ from smelt_jax.sweep.graph import Job, JobGraph, JobStatus
 from smelt_jax.sweep.schema import validate_jobset
 from smelt_jax.sweep.tpu import tpu_slice, tpu_type_for
 from smelt_jax.errors import UsageError
+
+XPK_HINT = "install it with `pip install xpk` (github.com/AI-Hypercomputer/xpk)"
 
 from smelt_jax.exit_codes import PREEMPTED as RESTART_EXIT_CODE
 CONTAINER = "trainer"
@@ -158,6 +161,8 @@ class XpkBackend:
         return planned
 
     def submit(self, graph: JobGraph, *, execute: bool = False) -> int:
+        if execute:
+            check_submittable(self.settings, "xpk", XPK_HINT, SUBMIT_FIELDS, graph)
         planned = self.plan(graph)
         out = Path(self.settings.out_dir)
         script = write_plan(planned, out, f"xpk workloads for suite {graph.suite} "
@@ -165,9 +170,7 @@ class XpkBackend:
         if not execute:
             print_commands(planned, script)
             return 0
-        return execute_ready(planned, self.status(graph), self.settings, "xpk",
-                             "install it with `pip install xpk` (github.com/AI-Hypercomputer/xpk)",
-                             SUBMIT_FIELDS, graph=graph)
+        return execute_ready(planned, self.status(graph), self.settings, "xpk", XPK_HINT, SUBMIT_FIELDS, graph=graph)
 
     def status(self, graph: JobGraph) -> dict[str, JobStatus]:
         return cloud_status(graph, self.settings)
