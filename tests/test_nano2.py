@@ -118,6 +118,9 @@ def test_ablations_rule_and_seed_order():
     assert found["the paper's loop count (r = 2 best)"] == "not supported"  # r2 1.75 > r3 1.62 + delta
     assert analysis.best_two(table) == ("span1", "r3")
     assert found["order of the best two"] == analysis.PENDING
+    # the paper's point at the same share of depth: span 2 of 4 is its 6 of 12; span 1 of 4 (3 of 12) halfway
+    assert analysis.paper_span_loss(2) == pytest.approx(1.9257)
+    assert analysis.paper_span_loss(1) == pytest.approx((1.9384 + 1.9275) / 2)
     rows += _rows("nano2-d64-s95-looped-span1.seed1-q", "nano2-ablations-seed1", "looped", {4e6: 1.57})
     rows += _rows("nano2-d64-s95-looped-r3.seed1-q", "nano2-ablations-seed1", "looped", {4e6: 1.63})
     table = analysis.ablations(pd.DataFrame(rows), nano_table)

@@ -164,8 +164,16 @@ def ablations(nano2: pd.DataFrame, nano: pd.DataFrame) -> pd.DataFrame:
     out = pd.DataFrame(rows)
     out["minus_r1"] = out["loss_seed0"] - float(out.set_index("point").loc["r1", "loss_seed0"])
     out["paper_loss"] = [paper.ABLATION_LOSS["loops"].get(int(p[1:])) if p.startswith("r") else
-                         paper.ABLATION_LOSS["span"].get(4 * int(p[4:])) for p in out["point"]]
+                         paper_span_loss(int(p[4:])) for p in out["point"]]
     return out
+
+
+def paper_span_loss(span: int, layers: int = 4) -> float:
+    """The paper's ablation loss at the same share of the depth (its L = 12): span m of 4 layers is 3m of
+    12, linearly interpolated between the paper's spans (it ran even spans only)."""
+    table = paper.ABLATION_LOSS["span"]
+    spans = sorted(table)
+    return float(np.interp(12 * span / layers, spans, [table[k] for k in spans]))
 
 
 def ablation_verdicts(table: pd.DataFrame, delta: float) -> dict:
