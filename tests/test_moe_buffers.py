@@ -14,7 +14,8 @@ from smelt_jax.descriptors import Parallelism
 from smelt_jax.model import expert_exchange
 from smelt_jax.model.dispatch import dispatch
 from smelt_jax.model.expert_compute import local_expert_outputs
-from smelt_jax.model.expert_exchange import exchanged_expert_outputs
+from smelt_jax.model.expert_exchange import exchanged_moe_outputs
+from smelt_jax.model.moe import combine
 from smelt_jax.model.moe_buffers import (buffer_fill, overflow_rows, rows_per_destination,
                                          worst_case_rows)
 from test_parallel_expert import _ragged_all_to_all_emulated
@@ -38,8 +39,10 @@ def _problem(tokens, n_experts, top_k, kind, seed=0):
     x = jnp.asarray(rng.normal(size=(tokens, D)), jnp.float32)
     weights = tuple(jnp.asarray(rng.normal(size=s) / np.sqrt(s[1]), jnp.float32)
                     for s in ((n_experts, D, F), (n_experts, D, F), (n_experts, F, D)))
-    cot = jnp.asarray(rng.normal(size=(tokens, top_k, D)), jnp.float32)
-    return ids, x, weights, cot
+    router = rng.random((tokens, top_k)) + 0.1
+    router = jnp.asarray(router / router.sum(axis=1, keepdims=True), jnp.float32)
+    cot = jnp.asarray(rng.normal(size=(tokens, D)), jnp.float32)
+    return ids, x, (router, *weights), cot
 
 
 def _fullest_block(ids, kept, n_shards, n_ep, experts_local):
@@ -77,13 +80,14 @@ def test_sized_exchange_equals_the_dropless_reference(layout, tokens, n_experts,
     else:  # the cases are chosen so the overflow passes really run
         assert fullest > width
 
-    def reference(x, weights):
-        y = local_expert_outputs(x, plan, *weights, backend="dense")
+    def reference(x, weights):  # the local strategy and the layer's combine
+        router, *experts = weights
+        y = combine(local_expert_outputs(x, plan, *experts, backend="dense"), router)
         return jnp.sum(y * cot), y
 
-    def sized(x, weights):
-        y = exchanged_expert_outputs(x, plan, *weights, backend="capacity", ragged=exchange == "ragged",
-                                     mesh=mesh, slack=slack)
+    def sized(x, weights):  # router weights, tokens and the three expert weights all get gradients
+        y = exchanged_moe_outputs(x, plan, *weights, backend="capacity", ragged=exchange == "ragged",
+                                  mesh=mesh, slack=slack)
         return jnp.sum(y * cot), y
 
     (_, y_ref), g_ref = jax.value_and_grad(reference, (0, 1), has_aux=True)(x, weights)
@@ -98,17 +102,16 @@ def test_overflow_passes_run_as_often_as_the_fullest_block_needs(monkeypatch):
     """The pass loop's trip count: what the fullest (token shard -> device) block of any device needs past
     the first pass, the same on every device; 0 when the first pass holds everything."""
     seen = []
-    real = expert_exchange._overflow_outputs
-    monkeypatch.setattr(expert_exchange, "_overflow_outputs",
-                        lambda p, i, n, **kw: (jax.debug.callback(lambda v: seen.append(int(v)), n),
-                                               real(p, i, n, **kw))[1])
+    real = expert_exchange.overflow_outputs
+    monkeypatch.setattr(expert_exchange, "overflow_outputs",
+                        lambda *a: (jax.debug.callback(lambda v: seen.append(int(v)), a[6]), real(*a))[1])
     mesh = sharding.make_mesh(Parallelism(data=1, expert=4, tensor=2))
     for kind, slack in (("random", 2.0), ("hot", 0.5)):
         seen.clear()
         ids, x, weights, _ = _problem(128, 8, 2, kind)
         plan = dispatch(ids, 8, None)
         with jax.set_mesh(mesh):
-            jax.jit(lambda x, w, plan=plan, slack=slack: exchanged_expert_outputs(
+            jax.jit(lambda x, w, plan=plan, slack=slack: exchanged_moe_outputs(
                 x, plan, *w, backend="capacity", ragged=False, mesh=mesh, slack=slack))(x, weights)
         jax.effects_barrier()
         width = rows_per_destination(32, 2, 2, 4, slack)
