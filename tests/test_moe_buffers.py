@@ -145,3 +145,51 @@ def test_the_slack_is_an_execution_choice():
     assert ModelConfig.from_dict(other.to_dict()) == other
     with pytest.raises(ValueError, match="expert_buffer_slack"):
         cfg.replace(expert_buffer_slack=0.0)
+
+
+def _sub_jaxprs(params):
+    for value in params.values():
+        for item in value if isinstance(value, (list, tuple)) else (value,):
+            inner = getattr(item, "jaxpr", item)
+            if hasattr(inner, "eqns"):
+                yield inner
+
+
+def _loop_bodies(jaxpr, inside=False):
+    """(equation, inside a while loop) for every equation of jaxpr and the jaxprs nested in it."""
+    for eqn in jaxpr.eqns:
+        yield eqn, inside
+        for sub in _sub_jaxprs(eqn.params):
+            yield from _loop_bodies(sub, inside or eqn.primitive.name == "while")
+
+
+def test_overflow_passes_work_on_their_rows_only():
+    """Forward and backward: inside the overflow loops, no array has a dimension of the device's R = T_l * k
+    copies (the old passes repeated, scattered and gathered [R, d] rows in every pass); only the sorted-order
+    buffers [R + W, d] are updated in place, W rows at a time."""
+    tokens, n_experts, top_k = 1024, 8, 2
+    mesh = sharding.make_mesh(Parallelism(data=1, expert=4, tensor=2))
+    ids, x, weights, cot = _problem(tokens, n_experts, top_k, "hot")
+    plan = dispatch(ids, n_experts, None)
+    r_local = tokens // 4 * top_k
+
+    def sized(x, weights):
+        y = exchanged_moe_outputs(x, plan, *weights, backend="capacity", ragged=False, mesh=mesh, slack=0.5)
+        return jnp.sum(y * cot)
+
+    with jax.set_mesh(mesh):
+        jaxpr = jax.make_jaxpr(jax.value_and_grad(sized, (0, 1)))(x, weights).jaxpr
+    in_loops = [eqn for eqn, inside in _loop_bodies(jaxpr) if inside]
+    assert any(eqn.primitive.name == "all_to_all" for eqn in in_loops)  # the overflow passes are there
+    big = [(eqn.primitive.name, v.aval.shape) for eqn in in_loops if eqn.primitive.name != "dynamic_update_slice"
+           for v in eqn.outvars if any(dim >= r_local for dim in getattr(v.aval, "shape", ()))]
+    assert not big, big
+
+
+def test_slack_cost_counts_the_passes_an_imbalanced_layer_needs():
+    from benchmarks.moe_load import OVERFLOW_FIXED, slack_cost
+
+    assert slack_cost(1.2, 1.5) == (0, 1.5)  # fits: the first pass only
+    assert slack_cost(1.5, 1.5) == (0, 1.5)
+    assert slack_cost(2.2, 1.5) == (2, 1.5 + 2 * 0.375 + OVERFLOW_FIXED)  # 0.7 past C in passes of C / 4
+    assert slack_cost(6.0, 3.0) == (4, 3.0 + 4 * 0.75 + OVERFLOW_FIXED)

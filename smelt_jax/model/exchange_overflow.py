@@ -88,6 +88,7 @@ def _bwd(first, width, pass_kw, res, g):
     x, weights, w_gate, w_up, w_down, lay, n_passes = res
     total, top_k = lay.order.shape[0], weights.shape[1]
     experts = (w_gate, w_up, w_down)
+    w_flat = weights.reshape(-1)  # [R]
 
     def run():
         def body(q, carry):
@@ -96,7 +97,7 @@ def _bwd(first, width, pass_kw, res, g):
             source, send, core = _pass(x, w_gate, w_up, w_down, lay, start, width, pass_kw)
             y, vjp = jax.vjp(core, send, *experts)
             g_rows = take_rows(g, source // top_k)  # [n * W, d] f32
-            w_rows = take_rows(weights.reshape(-1), source)
+            w_rows = take_rows(w_flat, source)
             dsend, *dnew = vjp((w_rows[:, None] * g_rows).astype(y.dtype).reshape(y.shape))
             dw_rows = jnp.sum(g_rows * y.reshape(g_rows.shape).astype(jnp.float32), axis=1)
             starts, valid = lay.block_start + start, lay.fill - start
