@@ -11,7 +11,9 @@ experts into n contiguous device groups (the MoE shard_map's layout):
 - device: the busiest device's rows over the mean (global batch);
 - block: the fullest (token shard -> device) block over T_l * k / n, the balanced block: the slack the
   exchange's first pass needs to hold everything.
-Prints a markdown table: per stage of training, the mean and max over samples and layers.
+Prints a markdown table: per stage of training, the mean and max over samples and layers; then, per
+candidate `ModelConfig.expert_buffer_slack`, the exchange's rows per step from the sampled block ratios
+(`slack_cost`), to choose the default from (docs/moe-buffers.md).
 """
 
 from __future__ import annotations
@@ -22,6 +24,22 @@ import numpy as np
 
 SHARDS = 8
 DEVICE_COUNTS = (4, 8)
+SLACKS = (1.0, 1.25, 1.5, 2.0, 2.5, 3.0)
+# Rows (in units of the device's R = T_l * k copies) a step with >= 1 overflow pass moves beyond its passes:
+# the sorted-order buffer's zero fill and the gather of its rows by the inverse, forward and backward.
+OVERFLOW_FIXED = 4.0
+
+
+def slack_cost(block: float, slack: float) -> tuple[int, float]:
+    """(overflow passes, rows moved in units of R) of one layer whose fullest block is `block` x the
+    balanced one, with the first pass's blocks `slack` x balanced and overflow passes of a quarter of that
+    (moe_buffers.OVERFLOW_SHARE; tile rounding left out): the first pass moves slack x R rows, each
+    overflow pass slack / 4 x R, plus OVERFLOW_FIXED x R once when any pass runs."""
+    from smelt_jax.model.moe_buffers import OVERFLOW_SHARE
+
+    width = OVERFLOW_SHARE * slack
+    passes = int(np.ceil(max(block - slack, 0.0) / width - 1e-9))
+    return passes, slack + passes * width + (OVERFLOW_FIXED if passes else 0.0)
 
 
 def imbalance(ids: np.ndarray, n_experts: int, n_devices: int, shards: int) -> dict[str, float]:
@@ -91,6 +109,21 @@ def table(samples, steps: int) -> str:
     return "\n".join(lines)
 
 
+def slack_table(samples, steps: int) -> str:
+    """Per device count and slack, over the samples after the first third of training: the share of
+    layers that overflow, their mean passes, and mean rows moved per layer (units of R)."""
+    lines = ["| n devices | slack | layers overflowing | passes (mean, max) | rows moved / R (mean) |",
+             "|---|---|---|---|---|"]
+    for n in DEVICE_COUNTS:
+        blocks = [s["block"] for step, dn, s in samples if step > steps // 3 and dn == n]
+        for slack in SLACKS:
+            costs = [slack_cost(b, slack) for b in blocks]
+            passes = [c[0] for c in costs]
+            lines.append(f"| {n} | {slack} | {np.mean([p > 0 for p in passes]):.0%} | "
+                         f"{np.mean(passes):.2f}, {max(passes)} | {np.mean([c[1] for c in costs]):.2f} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str]) -> int:
     run_id = argv[0] if argv else "micro-xs-s95-smelt-27f34426"
     steps = int(argv[1]) if len(argv) > 1 else 300
@@ -98,6 +131,8 @@ def main(argv: list[str]) -> int:
     samples = measure(run_id, steps, every)
     print(f"{run_id}: {steps} steps, sampled every {every}, {SHARDS} token shards")
     print(table(samples, steps))
+    print()
+    print(slack_table(samples, steps))
     return 0
 
 

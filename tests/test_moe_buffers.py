@@ -14,7 +14,8 @@ from smelt_jax.descriptors import Parallelism
 from smelt_jax.model import expert_exchange
 from smelt_jax.model.dispatch import dispatch
 from smelt_jax.model.expert_compute import local_expert_outputs
-from smelt_jax.model.expert_exchange import exchanged_expert_outputs
+from smelt_jax.model.expert_exchange import exchanged_moe_outputs
+from smelt_jax.model.moe import combine
 from smelt_jax.model.moe_buffers import (buffer_fill, overflow_rows, rows_per_destination,
                                          worst_case_rows)
 from test_parallel_expert import _ragged_all_to_all_emulated
@@ -38,8 +39,10 @@ def _problem(tokens, n_experts, top_k, kind, seed=0):
     x = jnp.asarray(rng.normal(size=(tokens, D)), jnp.float32)
     weights = tuple(jnp.asarray(rng.normal(size=s) / np.sqrt(s[1]), jnp.float32)
                     for s in ((n_experts, D, F), (n_experts, D, F), (n_experts, F, D)))
-    cot = jnp.asarray(rng.normal(size=(tokens, top_k, D)), jnp.float32)
-    return ids, x, weights, cot
+    router = rng.random((tokens, top_k)) + 0.1
+    router = jnp.asarray(router / router.sum(axis=1, keepdims=True), jnp.float32)
+    cot = jnp.asarray(rng.normal(size=(tokens, D)), jnp.float32)
+    return ids, x, (router, *weights), cot
 
 
 def _fullest_block(ids, kept, n_shards, n_ep, experts_local):
@@ -77,13 +80,14 @@ def test_sized_exchange_equals_the_dropless_reference(layout, tokens, n_experts,
     else:  # the cases are chosen so the overflow passes really run
         assert fullest > width
 
-    def reference(x, weights):
-        y = local_expert_outputs(x, plan, *weights, backend="dense")
+    def reference(x, weights):  # the local strategy and the layer's combine
+        router, *experts = weights
+        y = combine(local_expert_outputs(x, plan, *experts, backend="dense"), router)
         return jnp.sum(y * cot), y
 
-    def sized(x, weights):
-        y = exchanged_expert_outputs(x, plan, *weights, backend="capacity", ragged=exchange == "ragged",
-                                     mesh=mesh, slack=slack)
+    def sized(x, weights):  # router weights, tokens and the three expert weights all get gradients
+        y = exchanged_moe_outputs(x, plan, *weights, backend="capacity", ragged=exchange == "ragged",
+                                  mesh=mesh, slack=slack)
         return jnp.sum(y * cot), y
 
     (_, y_ref), g_ref = jax.value_and_grad(reference, (0, 1), has_aux=True)(x, weights)
@@ -98,17 +102,16 @@ def test_overflow_passes_run_as_often_as_the_fullest_block_needs(monkeypatch):
     """The pass loop's trip count: what the fullest (token shard -> device) block of any device needs past
     the first pass, the same on every device; 0 when the first pass holds everything."""
     seen = []
-    real = expert_exchange._overflow_outputs
-    monkeypatch.setattr(expert_exchange, "_overflow_outputs",
-                        lambda p, i, n, **kw: (jax.debug.callback(lambda v: seen.append(int(v)), n),
-                                               real(p, i, n, **kw))[1])
+    real = expert_exchange.overflow_outputs
+    monkeypatch.setattr(expert_exchange, "overflow_outputs",
+                        lambda *a: (jax.debug.callback(lambda v: seen.append(int(v)), a[6]), real(*a))[1])
     mesh = sharding.make_mesh(Parallelism(data=1, expert=4, tensor=2))
     for kind, slack in (("random", 2.0), ("hot", 0.5)):
         seen.clear()
         ids, x, weights, _ = _problem(128, 8, 2, kind)
         plan = dispatch(ids, 8, None)
         with jax.set_mesh(mesh):
-            jax.jit(lambda x, w, plan=plan, slack=slack: exchanged_expert_outputs(
+            jax.jit(lambda x, w, plan=plan, slack=slack: exchanged_moe_outputs(
                 x, plan, *w, backend="capacity", ragged=False, mesh=mesh, slack=slack))(x, weights)
         jax.effects_barrier()
         width = rows_per_destination(32, 2, 2, 4, slack)
@@ -142,3 +145,51 @@ def test_the_slack_is_an_execution_choice():
     assert ModelConfig.from_dict(other.to_dict()) == other
     with pytest.raises(ValueError, match="expert_buffer_slack"):
         cfg.replace(expert_buffer_slack=0.0)
+
+
+def _sub_jaxprs(params):
+    for value in params.values():
+        for item in value if isinstance(value, (list, tuple)) else (value,):
+            inner = getattr(item, "jaxpr", item)
+            if hasattr(inner, "eqns"):
+                yield inner
+
+
+def _loop_bodies(jaxpr, inside=False):
+    """(equation, inside a while loop) for every equation of jaxpr and the jaxprs nested in it."""
+    for eqn in jaxpr.eqns:
+        yield eqn, inside
+        for sub in _sub_jaxprs(eqn.params):
+            yield from _loop_bodies(sub, inside or eqn.primitive.name == "while")
+
+
+def test_overflow_passes_work_on_their_rows_only():
+    """Forward and backward: inside the overflow loops, no array has a dimension of the device's R = T_l * k
+    copies (the old passes repeated, scattered and gathered [R, d] rows in every pass); only the sorted-order
+    buffers [R + W, d] are updated in place, W rows at a time."""
+    tokens, n_experts, top_k = 1024, 8, 2
+    mesh = sharding.make_mesh(Parallelism(data=1, expert=4, tensor=2))
+    ids, x, weights, cot = _problem(tokens, n_experts, top_k, "hot")
+    plan = dispatch(ids, n_experts, None)
+    r_local = tokens // 4 * top_k
+
+    def sized(x, weights):
+        y = exchanged_moe_outputs(x, plan, *weights, backend="capacity", ragged=False, mesh=mesh, slack=0.5)
+        return jnp.sum(y * cot)
+
+    with jax.set_mesh(mesh):
+        jaxpr = jax.make_jaxpr(jax.value_and_grad(sized, (0, 1)))(x, weights).jaxpr
+    in_loops = [eqn for eqn, inside in _loop_bodies(jaxpr) if inside]
+    assert any(eqn.primitive.name == "all_to_all" for eqn in in_loops)  # the overflow passes are there
+    big = [(eqn.primitive.name, v.aval.shape) for eqn in in_loops if eqn.primitive.name != "dynamic_update_slice"
+           for v in eqn.outvars if any(dim >= r_local for dim in getattr(v.aval, "shape", ()))]
+    assert not big, big
+
+
+def test_slack_cost_counts_the_passes_an_imbalanced_layer_needs():
+    from benchmarks.moe_load import OVERFLOW_FIXED, slack_cost
+
+    assert slack_cost(1.2, 1.5) == (0, 1.5)  # fits: the first pass only
+    assert slack_cost(1.5, 1.5) == (0, 1.5)
+    assert slack_cost(2.2, 1.5) == (2, 1.5 + 2 * 0.375 + OVERFLOW_FIXED)  # 0.7 past C in passes of C / 4
+    assert slack_cost(6.0, 3.0) == (4, 3.0 + 4 * 0.75 + OVERFLOW_FIXED)

@@ -16,7 +16,7 @@ from smelt_jax.descriptors import Parallelism
 from smelt_jax.kernels.backend import choose_expert_exchange
 from smelt_jax.model import moe as moe_module
 from smelt_jax.model.dispatch import kept_copies
-from smelt_jax.model.expert_exchange import exchanged_expert_outputs
+from smelt_jax.model.expert_exchange import exchanged_moe_outputs
 from smelt_jax.model.moe import MoE
 
 CFG = ModelConfig(vocab=64, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=8,
@@ -96,8 +96,8 @@ def test_expert_parallel_moe_matches_the_unsharded_layer(layout, b, s, routing, 
     (ref_value, (ref_y, ref_stats)), ref_grads = jax.value_and_grad(objective, (0, 1), has_aux=True)(
         state, x)
     calls = []
-    monkeypatch.setattr(moe_module, "exchanged_expert_outputs",
-                        lambda *a, **k: calls.append(k) or exchanged_expert_outputs(*a, **k))
+    monkeypatch.setattr(moe_module, "exchanged_moe_outputs",
+                        lambda *a, **k: calls.append(k) or exchanged_moe_outputs(*a, **k))
     with jax.set_mesh(mesh):
         (value, (y, stats)), grads = jax.jit(jax.value_and_grad(objective, (0, 1), has_aux=True))(
             state, x)

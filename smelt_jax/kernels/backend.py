@@ -17,8 +17,8 @@ Rules:
   `ragged_dot`, XLA's partitionable grouped matmul.
 - The expert exchange `auto` is `padded` (`all_to_all` of the whole load-sized buffers) on TPU and CPU,
   and `ragged` (`jax.lax.ragged_all_to_all`: only the filled rows travel) on GPU. CPU's XLA lacks
-  ragged-all-to-all. On TPU both compile; since the buffers are sized by load (slack 1.5,
-  docs/moe-buffers.md) the padded exchange sends at most ~1.5x the filled rows over ICI, while the TPU
+  ragged-all-to-all. On TPU both compile; since the buffers are sized by load (slack 1.5 then, 2.5
+  since issue 41; docs/moe-buffers.md) the padded exchange sends at most ~slack x the filled rows over ICI, while the TPU
   compiler's ragged-all-to-all pads each row to a multiple of 256 bf16 lanes (576 -> 768) and adds
   layout copies around it: 100M S95 SMELT on v5p-128 walks 880 GB per device per step with `ragged`,
   696 GB with `padded` (roofline step 0.358 -> 0.296 s; docs/performance.md).

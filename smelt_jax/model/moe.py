@@ -6,12 +6,14 @@
 2. `dispatch` (the sorted layout of the T*k token copies, the capacity and the kept copies;
    `model/dispatch.py`);
 3. the backend, chosen once by `kernels.backend.choose_expert_backend(cfg.expert_impl, mesh=...)`, runs
-   through one of two strategies with one contract (tokens, Dispatch, weights -> y_copies [T, k, d]):
+   through one of two strategies:
    - local (`model/expert_compute.py`): all experts in this program, GSPMD partitions it on a mesh;
+     tokens, Dispatch, weights -> y_copies [T, k, d], combined here (`combine`, float32);
    - expert-parallel (`model/expert_exchange.py`): when the mesh's `expert` axis is larger than 1,
      experts sharded over it and token copies exchanged by all_to_all in a shard_map (padded or ragged:
-     `kernels.backend.choose_expert_exchange(cfg.expert_exchange)`);
-4. combine with the router weights and the load statistics, here, for both strategies.
+     `kernels.backend.choose_expert_exchange(cfg.expert_exchange)`); the same weighted sum is taken
+     inside the shard_map (float32 accumulation), which returns y [T, d];
+4. the load statistics, here, for both strategies.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from smelt_jax.kernels.backend import choose_expert_backend, choose_expert_excha
 from smelt_jax.model.attention import INIT_STD, truncated_normal
 from smelt_jax.model.dispatch import Dispatch, dispatch, expert_capacity
 from smelt_jax.model.expert_compute import local_expert_outputs
-from smelt_jax.model.expert_exchange import exchanged_expert_outputs
+from smelt_jax.model.expert_exchange import exchanged_moe_outputs
 from smelt_jax.model.router import Router, Routing, expert_load_stats
 from smelt_jax.sharding import current_mesh, param
 
@@ -40,8 +42,10 @@ def moe_stats(routing: Routing, plan: Dispatch, token_mask: jax.Array) -> dict[s
     dropped_fraction) and topk_ids [T, k]. token_mask [T] bool."""
     n_experts = plan.counts.shape[0]
     top_k = routing.expert_ids.shape[1]
-    real_counts = jnp.bincount(routing.expert_ids.reshape(-1), length=n_experts,
-                               weights=jnp.repeat(token_mask, top_k).astype(jnp.float32))
+    # An int32 count of the real tokens' ids (padding's moved past the last expert): the same values as
+    # a float-weighted bincount, without a float scatter-add.
+    real_ids = jnp.where(jnp.repeat(token_mask, top_k), routing.expert_ids.reshape(-1), n_experts)
+    real_counts = jnp.bincount(real_ids, length=n_experts + 1)[:n_experts].astype(jnp.float32)
     return {
         "load_balance_loss": routing.load_balance_loss,
         "router_z_loss": routing.z_loss,
@@ -83,11 +87,10 @@ class MoE(nnx.Module):
         weights = (self.w_gate[...], self.w_up[...], self.w_down[...])
         if expert_axis_size(mesh) > 1:
             ragged = choose_expert_exchange(cfg.expert_exchange) == "ragged"
-            y_copies = exchanged_expert_outputs(tokens, plan, *weights, backend=backend, ragged=ragged,
-                                                mesh=mesh, slack=cfg.expert_buffer_slack)
+            y = exchanged_moe_outputs(tokens, plan, routing.weights, *weights, backend=backend,
+                                      ragged=ragged, mesh=mesh, slack=cfg.expert_buffer_slack)
         else:
-            y_copies = local_expert_outputs(tokens, plan, *weights, backend=backend)
-        y = combine(y_copies, routing.weights)
+            y = combine(local_expert_outputs(tokens, plan, *weights, backend=backend), routing.weights)
         stats = moe_stats(routing, plan, mask)
         stats["topk_ids"] = stats["topk_ids"].reshape(b, s, cfg.top_k)
         return y.astype(x.dtype).reshape(b, s, d), stats

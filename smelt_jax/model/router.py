@@ -42,9 +42,13 @@ def route(logits: jax.Array, top_k: int, token_mask: jax.Array) -> Routing:
     """logits [T, E] float32, token_mask [T] bool (False = padding)."""
     n_experts = logits.shape[-1]
     probs = jax.nn.softmax(logits, axis=-1)
-    top_probs, expert_ids = jax.lax.top_k(probs, top_k)
+    _, expert_ids = jax.lax.top_k(probs, top_k)
+    chosen = jax.nn.one_hot(expert_ids, n_experts, dtype=jnp.float32)  # [T, k, E]
+    # The chosen probabilities by a one-hot product: the same values as top_k's, and a gradient that is a
+    # product too (top_k's is a scatter-add into [T, E]).
+    top_probs = jnp.sum(chosen * probs[:, None, :], axis=-1)
     weights = top_probs / jnp.sum(top_probs, axis=-1, keepdims=True)
-    assigned = jnp.sum(jax.nn.one_hot(expert_ids, n_experts, dtype=jnp.float32), axis=1)  # [T, E]
+    assigned = jnp.sum(chosen, axis=1)  # [T, E]
     fraction_assigned = _masked_mean(assigned, token_mask) / top_k
     mean_prob = _masked_mean(probs, token_mask)
     load_balance = n_experts * jnp.sum(fraction_assigned * mean_prob)
