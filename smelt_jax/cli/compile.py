@@ -36,7 +36,7 @@ def register(subparsers) -> None:
     p.add_argument("--layout", help="mesh sizes, e.g. data=-1,fsdp=16,expert=4 (-1 fills the rest)")
     p.add_argument("--remat", choices=("none", "full", "dots", "dots_no_batch"),
                    help="rematerialisation policy (default: the layout's)")
-    p.add_argument("--exchange", choices=("auto", "padded", "ragged"),
+    p.add_argument("--exchange", choices=("auto", "padded", "ragged", "ring"),
                    help="expert-parallel token exchange (default: the run's, 'auto': padded on TPU)")
     p.add_argument("--hlo-out", metavar="FILE",
                    help="write the compiled per-device HLO text here, gzip-compressed (e.g. step.hlo.gz)")

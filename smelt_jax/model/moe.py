@@ -11,6 +11,8 @@
    - expert-parallel (`model/expert_exchange.py`): when the mesh's `expert` axis is larger than 1,
      experts sharded over it and token copies exchanged by all_to_all in a shard_map (padded or ragged:
      `kernels.backend.choose_expert_exchange(cfg.expert_exchange)`);
+   - ring of experts (`model/ring_exchange.py`, exchange "ring"): tokens all-gathered over `expert`,
+     local experts computed and combined there, reduce-scattered back (returns y [T, d] itself);
 4. combine with the router weights and the load statistics, here, for both strategies.
 """
 
@@ -26,6 +28,7 @@ from smelt_jax.model.attention import INIT_STD, truncated_normal
 from smelt_jax.model.dispatch import Dispatch, dispatch, expert_capacity
 from smelt_jax.model.expert_compute import local_expert_outputs
 from smelt_jax.model.expert_exchange import exchanged_expert_outputs
+from smelt_jax.model.ring_exchange import ring_expert_outputs
 from smelt_jax.model.router import Router, Routing, expert_load_stats
 from smelt_jax.sharding import current_mesh, param
 
@@ -81,13 +84,18 @@ class MoE(nnx.Module):
         mesh = current_mesh()
         backend = choose_expert_backend(cfg.expert_impl, mesh=mesh)
         weights = (self.w_gate[...], self.w_up[...], self.w_down[...])
-        if expert_axis_size(mesh) > 1:
-            ragged = choose_expert_exchange(cfg.expert_exchange) == "ragged"
-            y_copies = exchanged_expert_outputs(tokens, plan, *weights, backend=backend, ragged=ragged,
-                                                mesh=mesh, slack=cfg.expert_buffer_slack)
+        exchange = choose_expert_exchange(cfg.expert_exchange) if expert_axis_size(mesh) > 1 else None
+        if exchange == "ring":  # combines inside its shard_map (model/ring_exchange.py)
+            y = ring_expert_outputs(tokens, plan, routing.weights, *weights, backend=backend, mesh=mesh,
+                                    slack=cfg.expert_buffer_slack)
         else:
-            y_copies = local_expert_outputs(tokens, plan, *weights, backend=backend)
-        y = combine(y_copies, routing.weights)
+            if exchange is not None:
+                y_copies = exchanged_expert_outputs(tokens, plan, *weights, backend=backend,
+                                                    ragged=exchange == "ragged", mesh=mesh,
+                                                    slack=cfg.expert_buffer_slack)
+            else:
+                y_copies = local_expert_outputs(tokens, plan, *weights, backend=backend)
+            y = combine(y_copies, routing.weights)
         stats = moe_stats(routing, plan, mask)
         stats["topk_ids"] = stats["topk_ids"].reshape(b, s, cfg.top_k)
         return y.astype(x.dtype).reshape(b, s, d), stats
