@@ -153,9 +153,12 @@ def analyse(report: CompileReport, program_flops_by_kind: dict[str, float] | Non
                        / tpu.ici_bytes_per_second_for_group(group or devices)
                        for kind, group, sent in stats.send_bytes_by_group if kind in kinds)
 
-        exchange_raw = sum(sent for kind, _, sent in stats.send_bytes_by_group if kind in EXCHANGE_KINDS)
-        exposed = (ici_seconds(EXCHANGE_KINDS) * stats.exchange_exposed_bytes / exchange_raw
-                   if exchange_raw else 0.0)
+        # the expert exchange's own collectives (all-to-all kinds, or the ring's all-gather / reduce-scatter)
+        exchange_raw = sum(sent for _, _, sent in stats.exchange_send_bytes_by_group)
+        exchange_seconds = sum(sent * (pallas_fill if kind == "ragged-all-to-all" else 1.0)
+                               / tpu.ici_bytes_per_second_for_group(group or devices)
+                               for kind, group, sent in stats.exchange_send_bytes_by_group)
+        exposed = exchange_seconds * stats.exchange_exposed_bytes / exchange_raw if exchange_raw else 0.0
         ici = ici_seconds()
         traffic = hbm_bytes(hlo_text).total
         fields.update(collectives=stats.static_counts, executed_collectives=stats.collective_counts,
