@@ -129,3 +129,17 @@ def test_ring_is_a_valid_exchange_never_chosen_by_auto():
     assert choose_expert_exchange("ring", "tpu") == "ring"
     assert all(choose_expert_exchange("auto", p) != "ring" for p in ("cpu", "gpu", "tpu"))
     assert dataclasses.replace(CFG).to_dict()["expert_exchange"] == "ring"
+
+
+def test_a_layout_records_its_exchange_without_changing_ids_at_auto():
+    import experiments
+    from smelt_jax.config import ConfigError
+
+    run = next(r for r in experiments.load_suite("smelt16") if r.arch == "smelt")
+    assert "exchange" not in run.parallelism.to_dict()  # ids and compile-cache keys as before
+    ring = dataclasses.replace(run.parallelism, exchange="ring")
+    assert ring.to_dict()["exchange"] == "ring"
+    assert ring.with_exchange(run.model).expert_exchange == "ring"
+    assert run.parallelism.with_exchange(run.model) is run.model
+    with pytest.raises(ConfigError, match="exchange"):
+        Parallelism(exchange="sparse")

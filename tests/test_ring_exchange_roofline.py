@@ -8,6 +8,7 @@ from smelt_jax.compile import report as cr
 from smelt_jax.compile.hlo_stats import RING_MARK, hlo_stats
 from smelt_jax.model.ring_exchange import RING_SCOPE
 
+_GROUPS = "replica_groups=[8,8]<=[64]"
 RING_HLO = """HloModule m, is_scheduled=true, num_partitions=64
 
 %sum (a: f32[], b: f32[]) -> f32[] {
@@ -19,13 +20,14 @@ RING_HLO = """HloModule m, is_scheduled=true, num_partitions=64
 ENTRY %main (x.0: bf16[4,8]) -> bf16[4,8] {
   %x.0 = bf16[4,8]{1,0} parameter(0)
   %w = bf16[32,8]{1,0} all-gather(%x.0), dimensions={0}, replica_groups=[8,8]<=[64], metadata={op_name="jit(step)/fsdp/all_gather"}
-  %g = bf16[32,8]{1,0} all-gather(%x.0), dimensions={0}, replica_groups=[8,8]<=[64], metadata={op_name="jit(step)/moe/experts/ring_exchange/all_gather"}
+  %g = bf16[32,8]{1,0} all-gather(%x.0), dimensions={0}, GROUPS, metadata={op_name="moe/ring_exchange/all_gather"}
   %f = bf16[32,8]{1,0} fusion(%g, %w), kind=kLoop, calls=%sum
-  %rss = (bf16[32,8]{1,0}, bf16[4,8]{1,0}) reduce-scatter-start(%f), dimensions={0}, replica_groups=[8,8]<=[64], to_apply=%sum, metadata={op_name="transpose(jvp(moe))/ring_exchange/reduce_scatter"}
+  %rss = (bf16[32,8]{1,0}, bf16[4,8]{1,0}) reduce-scatter-start(%f), dimensions={0}, GROUPS, to_apply=%sum, \
+metadata={op_name="transpose(jvp(moe))/ring_exchange/reduce_scatter"}
   %h = bf16[32,8]{1,0} fusion(%w), kind=kLoop, calls=%sum
   ROOT %rs = bf16[4,8]{1,0} reduce-scatter-done(%rss)
 }
-"""
+""".replace("GROUPS", _GROUPS)
 
 
 def test_the_ring_scope_is_what_the_hlo_walk_looks_for():
