@@ -91,6 +91,8 @@ def test_the_ring_buffer_holds_the_expected_load_times_slack():
     assert ring_fill(8, 64, 8, 512, 1.5) == pytest.approx(4096 / 6144)
     # E_l = 1: a token sends at most one copy to a device, so the expected load is the worst case.
     assert ring_rows(4096, 8, 1, 8, 1.5) == 4096 and ring_fill(8, 8, 8, 512, 1.5) == 1.0
+    assert ring_rows(4096 + 8, 8, 8, 8, 1.5) == 6656  # 6156 -> 6272 (128-row tile) -> 13 x 512
+    assert ring_rows(40, 8, 2, 8, 1.5) == 64  # small: 60 rounded to 8
 
 
 CFG = ModelConfig(vocab=64, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=8,

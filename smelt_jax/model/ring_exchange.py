@@ -43,18 +43,24 @@ from smelt_jax.kernels.backend import EXPERT_AXIS
 from smelt_jax.kernels.experts import expert_ffn
 from smelt_jax.model.dispatch import Dispatch, argsort_small_keys
 from smelt_jax.model.expert_exchange import token_axes
-from smelt_jax.model.moe_buffers import overflow_rows, rows_per_destination
+from smelt_jax.model.moe_buffers import overflow_rows, round_up, rows_per_destination, worst_case_rows
 
 __all__ = ["RING_SCOPE", "ring_expert_outputs", "ring_fill", "ring_rows"]
 
 RING_SCOPE = "ring_exchange"  # named scope of the exchange's collectives (op_name in the HLO metadata)
 
 
+KERNEL_ROW_TILE = 512  # the grouped matmul's row tile (kernels/gmm.py DEFAULT_TILING): no row padding copy
+
+
 def ring_rows(gathered_tokens: int, top_k: int, experts_local: int, expert_shards: int,
               slack: float | None) -> int:
     """Rows of the first pass: the copies of G gathered tokens a device expects (G k / n) x slack,
-    tile-rounded, capped at the worst case G * min(k, E_l)."""
-    return rows_per_destination(gathered_tokens, top_k, experts_local, expert_shards, slack)
+    rounded up to KERNEL_ROW_TILE (to the 128 / 8 tiles of `moe_buffers` when smaller), capped at the
+    worst case G * min(k, E_l)."""
+    rows = rows_per_destination(gathered_tokens, top_k, experts_local, expert_shards, slack)
+    worst = worst_case_rows(gathered_tokens, top_k, experts_local)
+    return rows if rows < KERNEL_ROW_TILE else min(worst, round_up(rows, KERNEL_ROW_TILE))
 
 
 def ring_fill(top_k: int, n_experts: int, expert_shards: int, tokens_local: int,
