@@ -46,7 +46,8 @@ from smelt_jax.parallel.layout import run_key
 from smelt_jax.paths import checkout_root
 
 # Bump when the compiled program or the report's fields change: older cache files are then ignored.
-CACHE_VERSION = 3  # 2: Pallas lane tiles chosen to pad least; HLO kept. 3: splash + ragged defaults on TPU
+CACHE_VERSION = 4  # 2: Pallas lane tiles chosen to pad least; HLO kept. 3: splash + ragged defaults on TPU
+# 4: d and f one block in the expert kernels (kernels/gmm.py ONE_BLOCK_LANES); ring exchange candidates
 CACHE_DIR = checkout_root() / "data_cache" / "compile_report"
 
 # A layout is kept when the compiler accepts it with its peak under HBM (`CompileReport.peak_fits_hbm`)
