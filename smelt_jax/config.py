@@ -117,7 +117,8 @@ class ModelConfig:
     param_dtype: str = "float32"
     compute_dtype: str = "float32"
     # How expert parallelism moves tokens (model/expert_exchange.py): "auto" = padded on TPU and CPU,
-    # ragged on GPU (XLA:CPU lacks ragged-all-to-all); kernels/backend.choose_expert_exchange decides.
+    # ragged on GPU (XLA:CPU lacks ragged-all-to-all); "ring" = model/ring_exchange.py (all-gather +
+    # reduce-scatter); kernels/backend.choose_expert_exchange decides.
     expert_exchange: str = "auto"
     # Expert-parallel buffers: rows per destination = slack x the balanced load (model/moe_buffers.py);
     # None = the worst case. Rows past it take overflow passes, so the numbers do not depend on it.

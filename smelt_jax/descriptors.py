@@ -68,7 +68,9 @@ class DataMismatch(UsageError):
 
 @dataclasses.dataclass(frozen=True)
 class Parallelism:
-    """Mesh axis sizes (-1 = fill the rest), the TPU slice a layout was chosen for, remat policy."""
+    """Mesh axis sizes (-1 = fill the rest), the TPU slice a layout was chosen for, remat policy, and the
+    expert exchange chosen with it (`exchange`: 'auto' = the model's own `expert_exchange`; the compile
+    report's layout search may pick 'ring' per configuration: `with_exchange` applies it)."""
 
     data: int = -1
     fsdp: int = 1
@@ -76,9 +78,23 @@ class Parallelism:
     tensor: int = 1
     tpu_type: str = ""  # e.g. "v5p-128"; empty = not chosen yet
     remat: str = "none"
+    exchange: str = "auto"  # added later: left out of `to_dict` at 'auto', so ids and cache keys stay
+
+    def __post_init__(self) -> None:
+        from smelt_jax.kernels.backend import EXPERT_EXCHANGES
+
+        if self.exchange not in EXPERT_EXCHANGES:
+            raise ConfigError(f"Parallelism.exchange {self.exchange!r} not in {EXPERT_EXCHANGES}")
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(self)
+        if self.exchange == "auto":
+            del out["exchange"]
+        return out
+
+    def with_exchange(self, model: ModelConfig) -> ModelConfig:
+        """`model` with this layout's expert exchange (unchanged when 'auto')."""
+        return model if self.exchange == "auto" else model.replace(expert_exchange=self.exchange)
 
 
 @dataclasses.dataclass(frozen=True)

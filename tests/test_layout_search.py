@@ -61,11 +61,12 @@ def test_search_keeps_the_first_fitting_candidate_and_resumes_from_the_cache(tmp
     compile_fn = _fake_compiler(lambda p: p.remat == "full", calls)
     first = ls.search_layout(run, compile_fn, SMELT16_POLICY, cache_dir=tmp_path)
     assert first.status == "fits" and first.chosen.remat == "full"
-    assert [remat for _, remat in calls] == ["none", "dots", "full"]
-    assert [outcome.split(" ")[0] for _, outcome in first.tried] == ["out", "out", "fits"]
+    # each remat with both exchanges (the default, then the ring)
+    assert [remat for _, remat in calls] == ["none", "none", "dots", "dots", "full", "full"]
+    assert [outcome.split(" ")[0] for _, outcome in first.tried] == ["out", "out", "out", "out", "fits", "fits"]
     # A second report run compiles nothing and gives the same answer.
     again = ls.search_layout(run, compile_fn, SMELT16_POLICY, cache_dir=tmp_path)
-    assert len(calls) == 3 and again.chosen == first.chosen and again.report == first.report
+    assert len(calls) == 6 and again.chosen == first.chosen and again.report == first.report
     assert all(outcome.endswith("(cached)") for _, outcome in again.tried)
 
 
@@ -80,7 +81,32 @@ def test_a_layout_the_compiler_accepts_but_without_headroom_is_not_chosen(tmp_pa
 
     result = ls.search_layout(run, tight, SMELT16_POLICY, cache_dir=tmp_path)
     assert result.chosen.remat == "full"
-    assert [o.split(" (")[0] for _, o in result.tried] == ["over 95% of HBM", "over 95% of HBM", "fits"]
+    assert [o.split(" (")[0] for _, o in result.tried] == ["over 95% of HBM"] * 4 + ["fits"] * 2
+
+
+def test_of_the_first_fitting_layout_the_exchange_with_the_lower_roofline_step_wins(tmp_path):
+    run = _run("100m/s95/smelt")
+    steps = {"auto": 0.30, "ring": 0.25}
+
+    def compile_fn(run_, slice_name, layout, remat, hlo_path=None):
+        r = _fake_compiler(lambda p: p.remat == "dots", [])(run_, slice_name, layout, remat)
+        return dataclasses.replace(r, step_seconds=steps[layout.exchange])
+
+    result = ls.search_layout(run, compile_fn, SMELT16_POLICY, cache_dir=tmp_path)
+    assert result.chosen.remat == "dots" and result.chosen.exchange == "ring"
+    assert result.report.step_seconds == 0.25
+    assert [label.rsplit(",", 1)[-1] for label, _ in result.tried][-2:] == ["remat=dots", "exchange=ring"]
+    document = json.loads(ls.layouts_document([result], "smelt16"))
+    assert document["layouts"]["100m/s95/smelt"]["exchange"] == "ring"  # recorded with the layout
+    assert load_layouts_text(document)["100m/s95/smelt"].with_exchange(run.model).expert_exchange == "ring"
+    steps["auto"] = 0.20  # the padded exchange wins: 'auto' is left out of the layouts file
+    padded = ls.search_layout(run, compile_fn, SMELT16_POLICY, cache_dir=tmp_path / "again")
+    assert padded.chosen.exchange == "auto" and "exchange" not in padded.chosen.to_dict()
+    assert padded.chosen.with_exchange(run.model) == run.model
+
+
+def load_layouts_text(document):
+    return {key: Parallelism(**fields) for key, fields in document["layouts"].items()}
 
 
 def test_skipped_configurations_are_reported_without_numbers(tmp_path):
@@ -151,7 +177,7 @@ def test_committed_layouts_are_valid_parallelism_for_their_slice():
     keys = {layout_key(r.scale, r.sparsity_label, r.arch): r for r in SMELT16}
     for key, layout in layouts.items():
         assert key in keys, key
-        assert set(raw["layouts"][key]) == set(Parallelism.__dataclass_fields__)
+        assert set(raw["layouts"][key]) == set(layout.to_dict())  # every field ('exchange' when not auto)
         tpu = parse_slice(layout.tpu_type)
         assert layout.remat in ("none", "full", "dots", "dots_no_batch")
         assert keys[key].model.n_experts % layout.expert == 0
@@ -212,13 +238,13 @@ def test_compile_suite_is_resumable_and_writes_the_table_and_layouts(tmp_path):
                               trace_fn=trace_fn, libtpu=(True, ""), log=lines.append)
     assert report.fitted == 2 and [r.key for r in report.results] == ["100m/s0/baseline", "200m/s97/smelt"]
     assert lines[0].startswith("[1/2] 200m/s97/smelt on v5p-128")  # the priority order
-    assert len(calls) == 4 and report.written == (md, layouts)
+    assert len(calls) == 8 and report.written == (md, layouts)
     assert "smelt compile-report --suite smelt16 --out" in md.read_text()
     first = layouts.read_text()
     # Without libtpu nothing compiles: the cache alone gives the same layouts.
     again = ls.compile_suite(runs, SMELT16_POLICY, suite="smelt16", cache_dir=tmp_path / "cache",
                              json_out=layouts, compile_fn=compile_fn, trace_fn=trace_fn,
                              libtpu=(False, "no libtpu here"))
-    assert len(calls) == 4 and layouts.read_text() == first and again.summary().startswith("2 of 2")
+    assert len(calls) == 8 and layouts.read_text() == first and again.summary().startswith("2 of 2")
     with pytest.raises(ValueError, match="not a scale or key"):
         ls.compile_suite(runs, SMELT16_POLICY, suite="smelt16", only=["9b"], libtpu=(False, ""))

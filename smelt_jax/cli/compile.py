@@ -22,6 +22,8 @@ def cmd_compile(args) -> int:
     if args.exchange:
         run = dataclasses.replace(run, model=run.model.replace(expert_exchange=args.exchange))
     layout = parse_layout(args.layout, run.parallelism) if args.layout else run.parallelism
+    if args.exchange:  # an explicit --exchange wins over the one recorded with the layout
+        layout = dataclasses.replace(layout, exchange=args.exchange)
     report = compile_run(run, args.topology, layout, remat=args.remat, hlo_path=args.hlo_out)
     print(json.dumps(report.as_dict(), indent=1) if args.json else format_report(report))
     return 0 if report.peak_fits_hbm else 1
@@ -36,8 +38,9 @@ def register(subparsers) -> None:
     p.add_argument("--layout", help="mesh sizes, e.g. data=-1,fsdp=16,expert=4 (-1 fills the rest)")
     p.add_argument("--remat", choices=("none", "full", "dots", "dots_no_batch"),
                    help="rematerialisation policy (default: the layout's)")
-    p.add_argument("--exchange", choices=("auto", "padded", "ragged"),
-                   help="expert-parallel token exchange (default: the run's, 'auto': padded on TPU)")
+    p.add_argument("--exchange", choices=("auto", "padded", "ragged", "ring"),
+                   help="expert-parallel token exchange (default: the layout's, else the run's; 'auto': padded "
+                        "on TPU; 'ring': all-gather + reduce-scatter, model/ring_exchange.py)")
     p.add_argument("--hlo-out", metavar="FILE",
                    help="write the compiled per-device HLO text here, gzip-compressed (e.g. step.hlo.gz)")
     p.add_argument("--json", action="store_true", help="the report as one JSON object")

@@ -19,6 +19,8 @@ class SearchPolicy:
     scale_slices: Mapping[str, str]     # scale -> TPU slice; both members of a pair share one
     expert_axis_sizes: Sequence[int]    # candidate `expert` axis sizes, in order
     priority: Sequence[str] = ()        # layout keys compiled first; the rest in suite order
+    # expert exchanges compiled at the first remat that fits; the lowest roofline step wins
+    exchanges: Sequence[str] = ("auto",)
 
     def slice_for(self, run: RunSpec) -> str:
         if run.scale not in self.scale_slices:
@@ -34,13 +36,16 @@ class Candidate:
     @property
     def label(self) -> str:
         p = self.layout
-        return f"data={p.data},fsdp={p.fsdp},expert={p.expert},tensor={p.tensor},remat={p.remat}"
+        exchange = "" if p.exchange == "auto" else f",exchange={p.exchange}"
+        return f"data={p.data},fsdp={p.fsdp},expert={p.expert},tensor={p.tensor},remat={p.remat}{exchange}"
 
 
-def candidates(run: RunSpec, slice_name: str, expert_axis_sizes: Sequence[int] = (8,)) -> list[Candidate]:
+def candidates(run: RunSpec, slice_name: str, expert_axis_sizes: Sequence[int] = (8,),
+               exchanges: Sequence[str] = ("auto",)) -> list[Candidate]:
     """Ordered candidate layouts for `run` on `slice_name`: expert over each of `expert_axis_sizes`,
     fsdp over the largest share of the rest that divides d_model, data over what is left; remat none ->
-    dots -> full. Expert sizes that do not divide the expert count or the chip count are skipped.
+    dots -> full, each with every one of `exchanges` (adjacent: the search compares them). Expert sizes
+    that do not divide the expert count or the chip count are skipped.
 
     fsdp must divide d_model (the `embed` dimension it shards): otherwise `fit_spec` replicates every
     weight over fsdp (measured: 1.6B S97 SMELT, d 1848, needed 133-143 GB per chip at fsdp 16 and 32).
@@ -53,8 +58,9 @@ def candidates(run: RunSpec, slice_name: str, expert_axis_sizes: Sequence[int] =
         rest = chips // expert
         fsdp = max(f for f in range(1, rest + 1) if rest % f == 0 and run.model.d_model % f == 0)
         for remat in REMAT_ORDER:
-            out.append(Candidate(Parallelism(data=rest // fsdp, fsdp=fsdp, expert=expert, tensor=1,
-                                             tpu_type=slice_name, remat=remat)))
+            out += [Candidate(Parallelism(data=rest // fsdp, fsdp=fsdp, expert=expert, tensor=1,
+                                          tpu_type=slice_name, remat=remat, exchange=exchange))
+                    for exchange in exchanges]
     if not out:
         raise ValueError(f"{run.id}: no candidate layout for {run.model.n_experts} experts on {slice_name}")
     return out

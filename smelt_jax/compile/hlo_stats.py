@@ -18,7 +18,9 @@ calls and async wrappers run as often as their caller. It reports, per device:
 - the bytes sent per replica-group size (the ICI term divides each by the bandwidth of the torus axes
   such a group spans: `hardware.Slice.ici_bytes_per_second_for_group`), and the expert exchange's
   bytes that are *exposed*: every all-to-all unless the schedule (the module's instruction order,
-  `is_scheduled=true`) runs it asynchronously with compute between its start and its done.
+  `is_scheduled=true`) runs it asynchronously with compute between its start and its done. The
+  ring-of-experts exchange (model/ring_exchange.py) moves tokens with all-gather / reduce-scatter
+  instead: those collectives count as the exchange when their op_name carries RING_MARK.
 """
 
 from __future__ import annotations
@@ -45,6 +47,9 @@ _BRANCHES = re.compile(r"\bbranch_computations=\{([^}]*)\}")
 _IOTA_GROUPS = re.compile(r"\breplica_groups=\[(\d+),(\d+)\]<=")
 _LISTED_GROUPS = re.compile(r"\breplica_groups=\{\{([\d,\s]*)\}")
 EXCHANGE_KINDS = ("all-to-all", "ragged-all-to-all")  # how the MoE layer moves tokens between devices
+# The ring exchange's collectives: these kinds under the named scope model.ring_exchange.RING_SCOPE.
+RING_KINDS = ("all-gather", "reduce-scatter")
+RING_MARK = "ring_exchange"
 _KNOWN_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 
 
@@ -68,6 +73,8 @@ class HloStats:
     send_bytes_by_group: tuple[tuple[str, int | None, float], ...] = ()
     # bytes the expert exchange (all-to-all kinds) sends that the schedule does not overlap with compute
     exchange_exposed_bytes: float = 0.0
+    # (kind, group size, estimated bytes sent) of the expert exchange's collectives alone (ring included)
+    exchange_send_bytes_by_group: tuple[tuple[str, int | None, float], ...] = ()
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -188,6 +195,13 @@ def group_size(instruction: Instruction) -> int | None:
 _COMPUTE_OPS = ("fusion", "convolution", "dot", "custom-call")
 
 
+def is_exchange(instruction: Instruction) -> bool:
+    """An expert-exchange collective (or its -start / -done): any all-to-all kind, or an all-gather /
+    reduce-scatter of the ring exchange (RING_MARK in its metadata)."""
+    kind = instruction.op.removesuffix("-start").removesuffix("-done")
+    return kind in EXCHANGE_KINDS or (kind in RING_KINDS and RING_MARK in instruction.rest)
+
+
 def _exchange_overlap(instructions: list[Instruction], computations: dict[str, list[Instruction]]
                       ) -> dict[str, bool]:
     """{name of an exchange instruction (all-to-all kinds): whether the schedule overlaps it}, for one
@@ -198,13 +212,13 @@ def _exchange_overlap(instructions: list[Instruction], computations: dict[str, l
     open_starts: dict[str, int] = {}
     for index, instruction in enumerate(instructions):
         op = instruction.op
-        if op in EXCHANGE_KINDS:
-            out[instruction.name] = False
+        if op in EXCHANGE_KINDS + RING_KINDS:
+            if is_exchange(instruction):
+                out[instruction.name] = False
         elif op.endswith("-start"):
-            kind = op.removesuffix("-start")
             called = dict(_callees(instruction)).get("calls")
-            inner = {i.op for i in computations.get(called, ())} if called else set()
-            if kind in EXCHANGE_KINDS or inner & set(EXCHANGE_KINDS):
+            inner = computations.get(called, ()) if called else ()
+            if is_exchange(instruction) or any(is_exchange(i) for i in inner):
                 open_starts[instruction.name] = index
         elif op.endswith("-done"):
             start = next((n for n in re.findall(r"%([\w.\-]+)", instruction.rest.split(")", 1)[0])
@@ -223,8 +237,10 @@ def hlo_stats(text: str) -> HloStats:
     counts: dict[str, float] = defaultdict(float)
     result_bytes: dict[str, float] = defaultdict(float)
     by_group: dict[tuple[str, int | None], float] = defaultdict(float)
-    exposed = 0.0
+    exchange_by_group: dict[tuple[str, int | None], float] = defaultdict(float)
+    exposed = send = 0.0
     sparsecore = 0
+    partitions = int((re.search(r"\bnum_partitions=(\d+)", text) or [0, 1])[1])  # a group of "all devices"
     async_owner = {}  # computation run by an async-start -> (its computation, the start's name)
     for name, instructions in computations.items():
         for instruction in instructions:
@@ -252,14 +268,22 @@ def hlo_stats(text: str) -> HloStats:
             sent = times * shape_bytes(instruction.shape)
             counts[kind] += times
             result_bytes[kind] += sent
-            by_group[(kind, group_size(source))] += SEND_FACTOR[kind] * sent
-            if kind in EXCHANGE_KINDS:
+            group = group_size(source)
+            exchange = is_exchange(source) or is_exchange(instruction)
+            factor = SEND_FACTOR[kind]
+            if exchange and kind == "reduce-scatter":  # the ring's: its input, group x the result, is sent
+                factor *= group or partitions
+            by_group[(kind, group)] += factor * sent
+            send += factor * sent
+            if exchange:
+                exchange_by_group[(kind, group)] += factor * sent
                 owner, start_name = async_owner.get(name, (name, source.name))
                 if not overlap.get(owner, {}).get(start_name, False):
-                    exposed += SEND_FACTOR[kind] * sent
-    send = sum(SEND_FACTOR[kind] * value for kind, value in result_bytes.items())
+                    exposed += factor * sent
     return HloStats(static_counts=dict(sorted(static.items())), collective_counts={k: int(round(v)) for k, v in sorted(counts.items())},
                     collective_bytes=dict(sorted(result_bytes.items())), send_bytes=send,
                     sparsecore_offloads=sparsecore, loop_trip_counts=tuple(trips),
                     send_bytes_by_group=tuple((k, g, b) for (k, g), b in sorted(by_group.items(), key=str)),
-                    exchange_exposed_bytes=exposed)
+                    exchange_exposed_bytes=exposed,
+                    exchange_send_bytes_by_group=tuple(
+                        (k, g, b) for (k, g), b in sorted(exchange_by_group.items(), key=str)))

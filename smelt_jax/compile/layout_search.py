@@ -19,6 +19,7 @@ partition, so it only compiles inside the expert-parallel shard_map (an `expert`
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -45,7 +46,8 @@ from smelt_jax.parallel.layout import run_key
 from smelt_jax.paths import checkout_root
 
 # Bump when the compiled program or the report's fields change: older cache files are then ignored.
-CACHE_VERSION = 3  # 2: Pallas lane tiles chosen to pad least; HLO kept. 3: splash + ragged defaults on TPU
+CACHE_VERSION = 4  # 2: Pallas lane tiles chosen to pad least; HLO kept. 3: splash + ragged defaults on TPU
+# 4: d and f one block in the expert kernels (kernels/gmm.py ONE_BLOCK_LANES); ring exchange candidates
 CACHE_DIR = checkout_root() / "data_cache" / "compile_report"
 
 # A layout is kept when the compiler accepts it with its peak under HBM (`CompileReport.peak_fits_hbm`)
@@ -157,28 +159,40 @@ class SearchResult:
 def search_layout(run: RunSpec, compile_fn: Callable[..., CompileReport], policy: SearchPolicy, *,
                   cache_dir: Path = CACHE_DIR, skip_reason: str | None = None,
                   log: Callable[[str], None] = lambda line: None) -> SearchResult:
-    """Try `candidates(run, policy.slice_for(run))` in order and keep the first that fits with headroom
-    (cached results reused).
+    """Try `candidates(run, policy.slice_for(run), ..., policy.exchanges)` in order and keep the first
+    layout that fits with headroom (cached results reused); of its exchanges (`policy.exchanges`, all
+    compiled) the one with the lowest roofline step wins (ties and unknown steps: the earlier).
 
-    With a `skip_reason` nothing is compiled: only cached results are used, and a candidate without
-    one stops the search with status 'not compiled (skip_reason)'.
+    With a `skip_reason` nothing is compiled: only cached results are used, and a layout's first
+    exchange without one stops the search with status 'not compiled (skip_reason)'; a later exchange
+    without one is left out of the comparison.
     """
     slice_name = policy.slice_for(run)
     tried: list[tuple[str, str]] = []
     last = None
-    for candidate in candidates(run, slice_name, policy.expert_axis_sizes):
-        if skip_reason is not None and not cache_path(run, candidate, cache_dir).exists():
-            return SearchResult(run_key(run), run.id, slice_name, None, last, tuple(tried),
-                                f"not compiled ({skip_reason})")
-        start = time.perf_counter()
-        report, cached = compile_cached(run, candidate, compile_fn, cache_dir)
-        outcome = ("fits" if fits_with_headroom(report) else "out of memory" if not report.peak_fits_hbm else
-                   f"over {HBM_HEADROOM:.0%} of HBM") + (
-            " (cached)" if cached else f" ({time.perf_counter() - start:.0f} s)")
-        log(f"  {run_key(run)} {candidate.label}: {outcome}")
-        tried.append((candidate.label, outcome))
-        last = report
-        if fits_with_headroom(report):
+    cands = candidates(run, slice_name, policy.expert_axis_sizes, policy.exchanges)
+    for _, group in itertools.groupby(cands, key=lambda c: dataclasses.replace(c.layout, exchange="auto")):
+        fitting = []
+        for i, candidate in enumerate(group):
+            if skip_reason is not None and not cache_path(run, candidate, cache_dir).exists():
+                if i:
+                    tried.append((candidate.label, f"not compiled ({skip_reason})"))
+                    continue
+                return SearchResult(run_key(run), run.id, slice_name, None, last, tuple(tried),
+                                    f"not compiled ({skip_reason})")
+            start = time.perf_counter()
+            report, cached = compile_cached(run, candidate, compile_fn, cache_dir)
+            outcome = ("fits" if fits_with_headroom(report) else "out of memory" if not report.peak_fits_hbm
+                       else f"over {HBM_HEADROOM:.0%} of HBM") + (
+                " (cached)" if cached else f" ({time.perf_counter() - start:.0f} s)")
+            log(f"  {run_key(run)} {candidate.label}: {outcome}")
+            tried.append((candidate.label, outcome))
+            last = report
+            if fits_with_headroom(report):
+                fitting.append((candidate, report))
+        if fitting:
+            candidate, report = min(fitting, key=lambda cr: (cr[1].step_seconds is None,
+                                                           cr[1].step_seconds or 0.0))
             return SearchResult(run_key(run), run.id, slice_name, candidate.layout, report, tuple(tried),
                                 "fits")
     return SearchResult(run_key(run), run.id, slice_name, None, last, tuple(tried), "does not fit")

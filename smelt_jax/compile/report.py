@@ -44,6 +44,7 @@ from smelt_jax.hardware import Slice, parse_slice
 from smelt_jax.kernels import splash
 from smelt_jax.kernels.backend import choose_attention_backend, choose_expert_backend, choose_expert_exchange
 from smelt_jax.model.expert_exchange import buffer_fill, token_axes
+from smelt_jax.model.ring_exchange import ring_fill
 
 @dataclasses.dataclass(frozen=True)
 class CompileReport:
@@ -92,6 +93,7 @@ class CompileReport:
     mfu_conventional: float | None = None  # conventional_flops / (step_seconds * chip peak)
     dominant_term: str | None = None  # 'compute', 'HBM', 'ICI' or 'exchange': what sets step_seconds
     checkpoint_bytes: int | None = None  # one save: parameters + Adam state, whole model
+    expert_exchange: str | None = None  # the exchange the program was compiled with (None: not recorded)
     suite: str | None = None  # the run's suite: its checkpoint interval (`checkpoint_cadence`)
 
     @property
@@ -153,9 +155,12 @@ def analyse(report: CompileReport, program_flops_by_kind: dict[str, float] | Non
                        / tpu.ici_bytes_per_second_for_group(group or devices)
                        for kind, group, sent in stats.send_bytes_by_group if kind in kinds)
 
-        exchange_raw = sum(sent for kind, _, sent in stats.send_bytes_by_group if kind in EXCHANGE_KINDS)
-        exposed = (ici_seconds(EXCHANGE_KINDS) * stats.exchange_exposed_bytes / exchange_raw
-                   if exchange_raw else 0.0)
+        # the expert exchange's own collectives (all-to-all kinds, or the ring's all-gather / reduce-scatter)
+        exchange_raw = sum(sent for _, _, sent in stats.exchange_send_bytes_by_group)
+        exchange_seconds = sum(sent * (pallas_fill if kind == "ragged-all-to-all" else 1.0)
+                               / tpu.ici_bytes_per_second_for_group(group or devices)
+                               for kind, group, sent in stats.exchange_send_bytes_by_group)
+        exposed = exchange_seconds * stats.exchange_exposed_bytes / exchange_raw if exchange_raw else 0.0
         ici = ici_seconds()
         traffic = hbm_bytes(hlo_text).total
         fields.update(collectives=stats.static_counts, executed_collectives=stats.collective_counts,
@@ -233,6 +238,7 @@ def _program(run: RunSpec, slice_name: str, layout: Parallelism | None, remat: s
     layout = layout if layout is not None else run.parallelism
     remat = remat if remat is not None else layout.remat
     mesh = sharding.make_mesh(layout, aot.tpu_topology(tpu.topology_desc).devices)
+    run = dataclasses.replace(run, model=layout.with_exchange(run.model))  # the layout's exchange, if chosen
     cfg = _tpu_config(run, mesh)
     schedule = run.schedule
     tx = optimizer(schedule)
@@ -291,7 +297,7 @@ def compile_run(run: RunSpec, slice_name: str, layout: Parallelism | None = None
     program = _program(run, slice_name, layout, remat)
     tpu, cfg = program.tpu, program.cfg
     base = {"run_id": run.id, "suite": run.suite, "slice": slice_name, "layout": dict(program.mesh.shape),
-            "remat": program.remat,
+            "remat": program.remat, "expert_exchange": cfg.expert_exchange,
             "expert_impl": cfg.expert_impl, "hbm_bytes": tpu.hbm_bytes}
     start = time.perf_counter()
     try:
@@ -322,7 +328,8 @@ def with_accounting(report: CompileReport, run: RunSpec, trace_fn) -> CompileRep
     `trace_program_flops`) to measure the recomputation. Needs `program_flops` set."""
     if report.program_flops is None or report.pallas_fill is None:
         return report
-    layout = Parallelism(**report.layout, tpu_type=report.slice)
+    layout = Parallelism(**report.layout, tpu_type=report.slice,
+                         exchange="ring" if report.expert_exchange == "ring" else "auto")
     flops, fill = trace_fn(run, report.slice, layout, remat="none")
     devices = parse_slice(report.slice).chips
     without = executed_flops(flops.by_kind, fill) / devices
@@ -336,6 +343,10 @@ def _pallas_fill(program: _Program, run: RunSpec) -> float:
     if shards <= 1:
         return 1.0
     token_shards = math.prod(program.mesh.shape[a] for a in token_axes(program.mesh))
+    if program.cfg.expert_exchange == "ring":
+        return ring_fill(program.cfg.top_k, program.cfg.n_experts, shards,
+                         tokens_local=-(-run.schedule.tokens_per_step // token_shards),
+                         slack=program.cfg.expert_buffer_slack)
     return buffer_fill(program.cfg.top_k, program.cfg.n_experts, shards,
                        tokens_local=-(-run.schedule.tokens_per_step // token_shards),
                        slack=program.cfg.expert_buffer_slack)
@@ -378,7 +389,7 @@ def format_report(report: CompileReport) -> str:
     """Human-readable lines for one compile."""
     gib = lambda b: "?" if b is None else f"{b / 2**30:.2f} GiB"
     lines = [(f"{report.run_id} on {report.slice}, layout {report.layout}, remat {report.remat}, "
-             f"experts {report.expert_impl}: compiled in {report.compile_seconds:.1f} s")]
+             f"experts {report.expert_impl}, exchange {report.expert_exchange}: compiled in {report.compile_seconds:.1f} s")]
     if not report.peak_fits_hbm and report.peak_bytes is None:
         lines.append(f"  OUT OF MEMORY: {report.error}")
         return "\n".join(lines)

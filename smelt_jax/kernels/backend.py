@@ -22,6 +22,9 @@ Rules:
   compiler's ragged-all-to-all pads each row to a multiple of 256 bf16 lanes (576 -> 768) and adds
   layout copies around it: 100M S95 SMELT on v5p-128 walks 880 GB per device per step with `ragged`,
   696 GB with `padded` (roofline step 0.358 -> 0.296 s; docs/performance.md).
+- `ring` (model/ring_exchange.py) all-gathers the tokens over `expert` and reduce-scatters the combined
+  outputs instead of the two all-to-alls; never `auto`'s choice: the compile report's layout search picks
+  it per configuration where its roofline bound is lower (recorded as the layout's `exchange`).
 - Pallas kernels run interpreted or compile to Mosaic by the target being traced for
   (`pallas_interpret`), never by `jax.default_backend()`, which is the CPU during an ahead-of-time compile.
 - Attention `auto` is `splash` (Pallas splash attention, causal block skipping: `kernels/splash.py`) on
@@ -53,7 +56,7 @@ AUTO_BACKEND = {"tpu": "pallas", "gpu": "ragged_dot", "cpu": "tiled"}
 _PLATFORM_ALIASES = {"cuda": "gpu", "rocm": "gpu"}
 MOSAIC_BACKENDS = ("pallas", "megablox")
 GSPMD_BACKEND = "ragged_dot"
-EXPERT_EXCHANGES = ("auto", "padded", "ragged")  # valid `ModelConfig.expert_exchange` values
+EXPERT_EXCHANGES = ("auto", "padded", "ragged", "ring")  # valid `ModelConfig.expert_exchange` values
 AUTO_EXCHANGE = {"tpu": "padded", "gpu": "ragged", "cpu": "padded"}
 ATTENTION_IMPLS = ("auto", "reference", "splash", "blocked")  # valid `ModelConfig.attention_impl` values
 SPLASH_SEQ_MULTIPLE = 128  # splash needs rows in whole blocks of a multiple of 128 keys (kernels/splash.py)
@@ -101,7 +104,7 @@ def pallas_interpret(interpret: bool | None = None) -> bool:
 
 
 def choose_expert_exchange(requested: str, platform: str | None = None) -> str:
-    """'padded' or 'ragged' for `requested` (a name in EXPERT_EXCHANGES); only `auto` reads `platform`
+    """'padded', 'ragged' or 'ring' for `requested` (a name in EXPERT_EXCHANGES); only `auto` reads `platform`
     ('cpu', 'gpu', 'tpu'; None = JAX's default backend)."""
     if requested not in EXPERT_EXCHANGES:
         raise ValueError(f"expert exchange {requested!r} not in {EXPERT_EXCHANGES}")

@@ -52,6 +52,17 @@ DEFAULT_TILING: dict[str, Tiling] = {
     "other": (512, 512, 512),
 }
 
+# The widest k or n (lanes) the default tiling keeps as ONE block, per TPU generation: the whole model
+# width d (and the expert width f) in one block needs no zero-pad / slice copies around the kernels (a
+# block equal to the full dimension need not be a multiple of 128), and with k in one block the weight
+# block index (group, 0, n tile) stays the same over a group's consecutive row tiles, so the pipeline
+# fetches each group's weights once per n tile instead of once per row tile. 2560 covers every smelt16
+# width (d <= 2520, f <= 768); the fused SwiGLU kernel's VMEM at tm 512 and smelt16's widest (d 2304,
+# f 768; bf16, double buffered, two f32 accumulators) is ~23 MiB (`one_block_vmem_bytes`), its weight
+# gradient kernel's ~33 MiB, under 3/4 of the VMEM per core (v5p 64 MiB, v5e / v6e 128 MiB); checked by
+# Mosaic compiles for v5p (tests/test_kernel_tiles.py). 'other' (v4, unknown chips) keeps 1024.
+ONE_BLOCK_LANES: dict[str, int] = {"v5e": 2560, "v5p": 2560, "v6e": 2560, "other": 1024}
+
 _SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
@@ -92,13 +103,15 @@ def fit_row_tile(m: int, tm: int) -> int:
     return min(tm, _round_up(max(m, 1), ROW_ALIGN))
 
 
-def fit_lane_tile(dim: int, tile: int) -> int:
-    """Tile actually used along k or n: the whole dimension when it fits in one tile; otherwise the
-    multiple of LANE_ALIGN up to `tile` that pads `dim` least (the largest such tile on a tie).
+def fit_lane_tile(dim: int, tile: int, one_block: int = 0) -> int:
+    """Tile actually used along k or n: the whole dimension when it fits in one tile or is at most
+    `one_block` lanes; otherwise the multiple of LANE_ALIGN up to `tile` that pads `dim` least (the
+    largest such tile on a tie).
 
     Operands are zero-padded to a multiple of the tile and the padding is computed like real work:
-    d_model 672 with 512-wide tiles pads to 1024 (x1.52), with 384-wide ones to 768 (x1.14)."""
-    if dim <= tile:
+    d_model 672 with 512-wide tiles pads to 1024 (x1.52), with 384-wide ones to 768 (x1.14); as one
+    block (one_block >= 672) it is not padded at all."""
+    if dim <= max(tile, one_block):
         return dim
     candidates = range(LANE_ALIGN, tile + 1, LANE_ALIGN)  # tile is a validated multiple
     return min(candidates, key=lambda t: (_round_up(dim, t), -t))
@@ -446,10 +459,27 @@ def _gmm_aligned_bwd(tiling, interpret, residuals, grad_out):
 _gmm_aligned.defvjp(_gmm_aligned_fwd, _gmm_aligned_bwd)
 
 
-def effective_tiling(m: int, k: int, n: int, tiling: Sequence[int] | None) -> Tiling:
-    """(tm, tk, tn) after defaults and fitting to the problem (see fit_row_tile / fit_lane_tile)."""
-    tm, tk, tn = _validate_tiling(default_tiling() if tiling is None else tiling)
+def effective_tiling(m: int, k: int, n: int, tiling: Sequence[int] | None,
+                     generation: str | None = None) -> Tiling:
+    """(tm, tk, tn) after defaults and fitting to the problem (see fit_row_tile / fit_lane_tile).
+
+    tiling None: the defaults of `generation` ('v5e', 'v5p', 'v6e', 'other'; None = the TPU being traced
+    for), with k and n up to ONE_BLOCK_LANES[generation] as one block each. An explicit tiling is
+    fitted without that widening."""
+    if tiling is None:
+        generation = generation or tpu_generation() or "other"
+        one_block = ONE_BLOCK_LANES.get(generation, ONE_BLOCK_LANES["other"])
+        tm, tk, tn = DEFAULT_TILING.get(generation, DEFAULT_TILING["other"])
+        return fit_row_tile(m, tm), fit_lane_tile(k, tk, one_block), fit_lane_tile(n, tn, one_block)
+    tm, tk, tn = _validate_tiling(tiling)
     return fit_row_tile(m, tm), fit_lane_tile(k, tk), fit_lane_tile(n, tn)
+
+
+def one_block_vmem_bytes(tm: int, k: int, n: int, itemsize: int = 2) -> int:
+    """VMEM the fused SwiGLU kernel (the largest of the expert kernels) holds with k and n in one block
+    each: x [tm, k] and two weights [k, n] double buffered, output [tm, n] double buffered, and two f32
+    accumulators [tm, n] (the estimate `grouped_matmul_call` sizes its scoped VMEM limit from)."""
+    return 2 * (tm * k + 2 * k * n + tm * n) * itemsize + 2 * 4 * tm * n
 
 
 def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, tiling: Sequence[int] | None = None,

@@ -13,7 +13,9 @@
      experts sharded over it and token copies exchanged by all_to_all in a shard_map (padded or ragged:
      `kernels.backend.choose_expert_exchange(cfg.expert_exchange)`); the same weighted sum is taken
      inside the shard_map (float32 accumulation), which returns y [T, d];
-4. the load statistics, here, for both strategies.
+   - ring of experts (`model/ring_exchange.py`, exchange "ring"): tokens all-gathered over `expert`,
+     local experts computed and combined there, reduce-scattered back (returns y [T, d] itself);
+4. the load statistics, here, for every strategy.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from smelt_jax.model.attention import INIT_STD, truncated_normal
 from smelt_jax.model.dispatch import Dispatch, dispatch, expert_capacity
 from smelt_jax.model.expert_compute import local_expert_outputs
 from smelt_jax.model.expert_exchange import exchanged_moe_outputs
+from smelt_jax.model.ring_exchange import ring_expert_outputs
 from smelt_jax.model.router import Router, Routing, expert_load_stats
 from smelt_jax.sharding import current_mesh, param
 
@@ -85,10 +88,13 @@ class MoE(nnx.Module):
         mesh = current_mesh()
         backend = choose_expert_backend(cfg.expert_impl, mesh=mesh)
         weights = (self.w_gate[...], self.w_up[...], self.w_down[...])
-        if expert_axis_size(mesh) > 1:
-            ragged = choose_expert_exchange(cfg.expert_exchange) == "ragged"
+        exchange = choose_expert_exchange(cfg.expert_exchange) if expert_axis_size(mesh) > 1 else None
+        if exchange == "ring":  # combines inside its shard_map (model/ring_exchange.py)
+            y = ring_expert_outputs(tokens, plan, routing.weights, *weights, backend=backend, mesh=mesh,
+                                    slack=cfg.expert_buffer_slack)
+        elif exchange is not None:  # combines inside its shard_map (model/expert_exchange.py)
             y = exchanged_moe_outputs(tokens, plan, routing.weights, *weights, backend=backend,
-                                      ragged=ragged, mesh=mesh, slack=cfg.expert_buffer_slack)
+                                      ragged=exchange == "ragged", mesh=mesh, slack=cfg.expert_buffer_slack)
         else:
             y = combine(local_expert_outputs(tokens, plan, *weights, backend=backend), routing.weights)
         stats = moe_stats(routing, plan, mask)

@@ -223,7 +223,8 @@ class _Phase:
     @functools.cached_property
     def plan(self):
         from smelt_jax.train import state as ts
-        return ts.plan_training(self.run.model, self.tx, self.mesh, remat=self.parallelism.remat)
+        return ts.plan_training(self.parallelism.with_exchange(self.run.model), self.tx, self.mesh,
+                                remat=self.parallelism.remat)
 
     @functools.cached_property
     def steps(self) -> dict[str, Any]:

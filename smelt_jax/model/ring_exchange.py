@@ -1,0 +1,188 @@
+"""The ring-of-experts exchange: all-gather the tokens over `expert`, compute the local experts,
+combine, reduce-scatter back (`ModelConfig.expert_exchange = "ring"`).
+
+    ring_expert_outputs(tokens [T, d], plan, router_weights [T, k], w_gate, w_up, w_down, ...) -> y [T, d]
+
+Unlike `expert_exchange.exchanged_expert_outputs` (y_copies [T, k, d], combined by the MoE layer), the
+weighted top-k sum happens here, inside the shard_map, so only [T, d] rows travel back.
+
+Inside the shard_map each device holds T_l tokens (split over the batch axes and `expert`) and
+E_l = E / n experts (n = size of `expert`; expert e lives on device e // E_l as local expert e % E_l):
+
+1. `all_gather` over `expert` of the tokens [T_l, d], their expert ids, kept flags and router weights
+   [T_l, k]: every device of an expert group sees the group's G = n * T_l tokens.
+2. The G * k copies routed to this device's experts are sorted by local expert (stable; other copies
+   sort last). A first pass computes the first `rows` of them through `kernels.experts.expert_ffn`
+   (`rows` = the expected load G * k / n x `ModelConfig.expert_buffer_slack`, rounded to tiles:
+   `moe_buffers.rows_per_destination(G, ...)`; None = the worst case G * min(k, E_l)); copies past it
+   run in overflow passes of `moe_buffers.overflow_rows` rows, a loop of as many passes as this device
+   needs. The loop holds no collective, so devices do not agree on a count.
+3. Each computed row, times its router weight, is added (float32) into its token's row of
+   y_partial [G, d]; y_partial is cast to the compute dtype and `psum_scatter`ed over `expert`: each
+   device gets the sum over devices for its own T_l tokens.
+
+Per device and layer this sends (n - 1) T_l d elements twice (gather, reduce-scatter) instead of two
+all-to-alls of n C d elements (C = slack T_l k / n): 2 (n-1) T_l d against 2 slack k T_l d, e.g.
+14 T_l d against 24 T_l d at n = k = 8, slack 1.5. It computes the same rows (the local experts' copies).
+
+Precision: the expert rows in the compute dtype, combined in float32 per device; the reduce-scatter
+adds up to min(k, n) partial sums in the compute dtype (bfloat16 on TPU; exact sums in float32 tests).
+
+The collectives sit under the named scope RING_SCOPE so the compile report can count them as the
+expert exchange (`compile.hlo_stats`) rather than as FSDP traffic.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from smelt_jax.errors import UsageError
+from smelt_jax.kernels.backend import EXPERT_AXIS
+from smelt_jax.kernels.experts import expert_ffn
+from smelt_jax.model.dispatch import Dispatch, argsort_small_keys
+from smelt_jax.model.expert_exchange import token_axes
+from smelt_jax.model.moe_buffers import overflow_rows, round_up, rows_per_destination, worst_case_rows
+
+__all__ = ["RING_SCOPE", "ring_expert_outputs", "ring_fill", "ring_rows"]
+
+RING_SCOPE = "ring_exchange"  # named scope of the exchange's collectives (op_name in the HLO metadata)
+
+
+KERNEL_ROW_TILE = 512  # the grouped matmul's row tile (kernels/gmm.py DEFAULT_TILING): no row padding copy
+
+
+def ring_rows(gathered_tokens: int, top_k: int, experts_local: int, expert_shards: int,
+              slack: float | None) -> int:
+    """Rows of the first pass: the copies of G gathered tokens a device expects (G k / n) x slack,
+    rounded up to KERNEL_ROW_TILE (to the 128 / 8 tiles of `moe_buffers` when smaller), capped at the
+    worst case G * min(k, E_l)."""
+    rows = rows_per_destination(gathered_tokens, top_k, experts_local, expert_shards, slack)
+    worst = worst_case_rows(gathered_tokens, top_k, experts_local)
+    return rows if rows < KERNEL_ROW_TILE else min(worst, round_up(rows, KERNEL_ROW_TILE))
+
+
+def ring_fill(top_k: int, n_experts: int, expert_shards: int, tokens_local: int,
+              slack: float | None) -> float:
+    """Expected share of the first pass's rows that carry a copy: (G k / n) / rows, G = n * T_l."""
+    experts_local = n_experts // expert_shards
+    gathered = expert_shards * tokens_local
+    rows = ring_rows(gathered, top_k, experts_local, expert_shards, slack)
+    return min(1.0, gathered * top_k / expert_shards / rows)
+
+
+def _window_counts(counts: jax.Array, first, width: int) -> jax.Array:
+    """counts [E_l] of the sorted local copies -> rows of each expert inside [first, first + width)."""
+    ends = jnp.cumsum(counts)
+    starts = ends - counts
+    return (jnp.clip(ends - first, 0, width) - jnp.clip(starts - first, 0, width)).astype(jnp.int32)
+
+
+def _local_pass(x_all, route_w, w_gate, w_up, w_down, order, counts, first, *, width: int, top_k: int,
+                impl: str):
+    """Sorted local copies [first, first + width), computed and combined.
+
+    x_all [G, d]; route_w [G * k] float32 (0 for copies not kept); weights [E_l, ...]; order
+    [G * k + width] int32 (flat copy index of each sorted row, padded); counts [E_l] -> [G, d] float32."""
+    gathered, d = x_all.shape
+    group_sizes = _window_counts(counts, first, width)
+    copies = jax.lax.dynamic_slice(order, (first,), (width,))
+    valid = jnp.arange(width) < jnp.sum(group_sizes)
+    token = jnp.where(valid, copies // top_k, gathered)  # `gathered`: out of range, dropped
+    x_sorted = x_all.at[token].get(mode="fill", fill_value=0)
+    # A token picks distinct experts: no expert gets more than G rows.
+    y_sorted = expert_ffn(x_sorted, w_gate, w_up, w_down, group_sizes, impl=impl,
+                          capacity=min(gathered, width))
+    weight = jnp.where(valid, jnp.take(route_w, jnp.minimum(copies, route_w.shape[0] - 1)), 0.0)
+    rows = y_sorted.astype(jnp.float32) * weight[:, None]
+    return jnp.zeros((gathered, d), jnp.float32).at[token].add(rows, mode="drop")
+
+
+def _overflow(params, ints, n_passes, *, first: int, width: int, pass_kw: dict):
+    """Sum over `n_passes` (traced) passes of `width` rows from `first` on: params (x_all, route_w,
+    w_gate, w_up, w_down), ints (order, counts) -> [G, d] float32. A custom VJP whose backward loops
+    over the same passes, recomputing each forward: a loop of data-dependent length has no JAX VJP."""
+
+    def run(p, i, q):
+        return _local_pass(*p, *i, first + q * width, width=width, **pass_kw)
+
+    @jax.custom_vjp
+    def overflow(p, i, passes):
+        zero = jnp.zeros(p[0].shape, jnp.float32)
+        return jax.lax.fori_loop(0, passes, lambda q, acc: acc + run(p, i, q), zero)
+
+    def fwd(p, i, passes):
+        return overflow(p, i, passes), (p, i, passes)
+
+    def bwd(res, g):
+        p, i, passes = res
+
+        def step(q, acc):
+            _, vjp = jax.vjp(lambda pp: run(pp, i, q), p)
+            return jax.tree.map(jnp.add, acc, vjp(g)[0])
+        return jax.lax.fori_loop(0, passes, step, jax.tree.map(jnp.zeros_like, p)), None, None
+
+    overflow.defvjp(fwd, bwd)
+    return overflow(tuple(params), tuple(ints), n_passes)
+
+
+def _ring_body(x_local, ids_local, kept_local, weights_local, w_gate, w_up, w_down, *, top_k: int,
+               impl: str, slack: float | None):
+    """Per device: x_local [T_l, d], ids / kept / router weights [T_l, k], expert weights [E_l, ...]
+    -> y_local [T_l, d] in x_local's dtype (the weighted sum over the token's kept copies)."""
+    n = jax.lax.axis_size(EXPERT_AXIS)
+    experts_local = w_gate.shape[0]
+    with jax.named_scope(RING_SCOPE):
+        x_all, ids, kept, route_w = (jax.lax.all_gather(a, EXPERT_AXIS, axis=0, tiled=True)
+                                     for a in (x_local, ids_local, kept_local, weights_local))
+    gathered = x_all.shape[0]
+    local_expert = ids.reshape(-1).astype(jnp.int32) - jax.lax.axis_index(EXPERT_AXIS) * experts_local
+    here = kept.reshape(-1) & (local_expert >= 0) & (local_expert < experts_local)
+    key = jnp.where(here, local_expert, experts_local)
+    counts = jnp.bincount(key, length=experts_local + 1)[:experts_local].astype(jnp.int32)
+    route_w = jnp.where(here, route_w.reshape(-1).astype(jnp.float32), 0.0)
+    rows = ring_rows(gathered, top_k, experts_local, n, slack)
+    extra = overflow_rows(rows, gathered, top_k, experts_local)
+    order = argsort_small_keys(key, experts_local + 1)
+    order = jnp.pad(order, (0, max(rows, extra)))  # windows past the end read padding (masked)
+    params = (x_all, route_w, w_gate, w_up, w_down)
+    pass_kw = dict(top_k=top_k, impl=impl)
+    y = _local_pass(*params, order, counts, 0, width=rows, **pass_kw)
+    if extra:
+        n_passes = -(-jnp.maximum(jnp.sum(counts) - rows, 0) // extra)
+        y = y + _overflow(params, (order, counts), n_passes, first=rows, width=extra, pass_kw=pass_kw)
+    with jax.named_scope(RING_SCOPE):
+        return jax.lax.psum_scatter(y.astype(x_local.dtype), EXPERT_AXIS, scatter_dimension=0, tiled=True)
+
+
+@jax.named_scope("experts")  # names the ops for profiles (benchmarks/bench_ops.py)
+def ring_expert_outputs(tokens: jax.Array, plan: Dispatch, router_weights: jax.Array, w_gate: jax.Array,
+                        w_up: jax.Array, w_down: jax.Array, *, backend: str, mesh,
+                        slack: float | None = None) -> jax.Array:
+    """tokens [T, d] (compute dtype), router_weights [T, k] float32, expert weights [E, ...] (E divisible
+    by `mesh`'s `expert` axis) -> y [T, d] float32 in value (rounded to the compute dtype): the weighted
+    sum of each token's kept expert outputs. slack: first-pass rows over the expected load (None: the
+    worst case); the result does not depend on it."""
+    n_ep = mesh.shape[EXPERT_AXIS]
+    n_experts = w_gate.shape[0]
+    if n_experts % n_ep:
+        raise UsageError(f"{n_experts} experts do not split over expert axis of size {n_ep}; choose a --layout "
+                         "expert size that divides the expert count")
+    total = tokens.shape[0]
+    top_k = plan.expert_ids.shape[1]
+    axes = token_axes(mesh)
+    shards = 1
+    for axis in axes:
+        shards *= mesh.shape[axis]
+    pad = -total % shards  # odd token counts: padding tokens keep no copy and are cut off after
+    padded = [jnp.pad(a, ((0, pad), (0, 0))) for a in (tokens, plan.expert_ids, plan.kept, router_weights)]
+    weights = [w.astype(tokens.dtype) for w in (w_gate, w_up, w_down)]
+    token_spec = P(axes if axes else None)
+    expert_spec = P(EXPERT_AXIS)
+    body = jax.shard_map(
+        lambda *a: _ring_body(*a, top_k=top_k, impl=backend, slack=slack),
+        mesh=mesh, in_specs=(token_spec,) * 4 + (expert_spec,) * 3,
+        # Pallas kernels declare outputs without varying-manual-axes types (see expert_exchange).
+        out_specs=token_spec, check_vma=False)
+    return body(*padded, *weights)[:total].astype(jnp.float32)

@@ -1,0 +1,147 @@
+"""The ring-of-experts exchange (model/ring_exchange.py) on 8 fake CPU devices against the reference:
+a dense per-token computation of the routed experts, forward and gradients, and the MoE layer run
+without a mesh. Random routing, an empty expert, one hot expert, odd token counts, capacity drops,
+slack small enough to force overflow passes."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from smelt_jax import sharding
+from smelt_jax.config import ModelConfig
+from smelt_jax.descriptors import Parallelism
+from smelt_jax.kernels.backend import choose_expert_exchange
+from smelt_jax.model import moe as moe_module
+from smelt_jax.model.dispatch import dispatch
+from smelt_jax.model.ring_exchange import ring_expert_outputs, ring_fill, ring_rows
+
+D, F, E, K = 16, 12, 16, 8
+
+
+def _reference(tokens, ids, kept, route_w, w_gate, w_up, w_down):
+    """Per token: sum over its kept copies of weight * SwiGLU with the copy's expert (dense gather of
+    each copy's weights, no sorting, no exchange). tokens [T, d], ids / kept / route_w [T, k]."""
+    wg, wu, wd = w_gate[ids], w_up[ids], w_down[ids]  # [T, k, ...]
+    gate = jnp.einsum("td,tkdf->tkf", tokens, wg)
+    up = jnp.einsum("td,tkdf->tkf", tokens, wu)
+    y = jnp.einsum("tkf,tkfd->tkd", jax.nn.silu(gate) * up, wd)
+    return jnp.einsum("tkd,tk->td", y, jnp.where(kept, route_w, 0.0))
+
+
+def _routing(kind, t, rng):
+    if kind == "random":
+        return np.stack([rng.permutation(E)[:K] for _ in range(t)])
+    if kind == "empty_experts":  # experts 0-3 and 12 never chosen: device 0 (experts 0, 1) gets no row
+        pool = np.array([e for e in range(E) if e not in (0, 1, 2, 3, 12)])
+        return np.stack([rng.permutation(pool)[:K] for _ in range(t)])
+    if kind == "one_hot":  # every token picks experts 0-7: devices 4-7 compute nothing
+        return np.stack([rng.permutation(8) for _ in range(t)])
+    raise ValueError(kind)
+
+
+@pytest.mark.parametrize("layout,t,kind,capacity,slack", [
+    ({"data": 1, "expert": 8}, 40, "random", None, 1.5),
+    ({"data": 1, "expert": 8}, 15, "random", None, None),  # odd token count, worst-case buffer
+    ({"data": 1, "expert": 8}, 37, "one_hot", None, 0.25),  # overflow passes on devices 0-3
+    ({"data": 2, "expert": 4}, 21, "empty_experts", None, 1.0),
+    ({"data": 1, "expert": 8}, 24, "random", 2, 1.5),  # capacity drops: dropped copies add nothing
+    ({"data": 1, "fsdp": 2, "expert": 4}, 9, "one_hot", None, 0.5),
+])
+def test_ring_exchange_matches_the_dense_reference(layout, t, kind, capacity, slack):
+    rng = np.random.default_rng(t)
+    tokens = jnp.asarray(rng.normal(size=(t, D)).astype(np.float32))
+    ids = jnp.asarray(_routing(kind, t, rng).astype(np.int32))
+    route_w = jax.nn.softmax(jnp.asarray(rng.normal(size=(t, K)).astype(np.float32)), axis=-1)
+    w_gate, w_up = (jnp.asarray(0.3 * rng.normal(size=(E, D, F)).astype(np.float32)) for _ in range(2))
+    w_down = jnp.asarray(0.3 * rng.normal(size=(E, F, D)).astype(np.float32))
+    cotangent = jnp.asarray(rng.normal(size=(t, D)).astype(np.float32))
+    plan = dispatch(ids, E, capacity)
+    if capacity is not None:
+        assert not bool(jnp.all(plan.kept))
+    mesh = sharding.make_mesh(Parallelism(**layout))
+
+    def ring(x, rw, wg, wu, wd):
+        return ring_expert_outputs(x, plan, rw, wg, wu, wd, backend="capacity", mesh=mesh, slack=slack)
+
+    def ref(x, rw, wg, wu, wd):
+        return _reference(x, ids, plan.kept, rw, wg, wu, wd)
+
+    args = (tokens, route_w, w_gate, w_up, w_down)
+    with jax.set_mesh(mesh):
+        y, vjp = jax.vjp(jax.jit(ring), *args)
+        grads = vjp(cotangent)
+    y_ref, vjp_ref = jax.vjp(ref, *args)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), rtol=1e-5, atol=1e-5)
+    assert float(jnp.max(jnp.abs(y_ref))) > 0.1  # the outputs are not all zero
+    for name, g, g_ref in zip(("tokens", "router_w", "w_gate", "w_up", "w_down"), grads, vjp_ref(cotangent)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(g_ref), rtol=1e-4, atol=1e-5, err_msg=name)
+    if kind == "empty_experts":
+        assert float(jnp.max(jnp.abs(grads[2][:4]))) == 0.0  # never-chosen experts get no gradient
+
+
+def test_the_ring_buffer_holds_the_expected_load_times_slack():
+    # T_l = 512 tokens per device, n = 8, k = 8 -> G = 4096 gathered tokens, 4096 expected copies per
+    # device. E_l = 8: slack 1.5 -> 6144 rows (a multiple of the 128-row tile), the worst case 32768.
+    assert ring_rows(4096, 8, 8, 8, 1.5) == 6144
+    assert ring_rows(4096, 8, 8, 8, None) == 32768
+    assert ring_fill(8, 64, 8, 512, 1.5) == pytest.approx(4096 / 6144)
+    # E_l = 1: a token sends at most one copy to a device, so the expected load is the worst case.
+    assert ring_rows(4096, 8, 1, 8, 1.5) == 4096 and ring_fill(8, 8, 8, 512, 1.5) == 1.0
+    assert ring_rows(4096 + 8, 8, 8, 8, 1.5) == 6656  # 6156 -> 6272 (128-row tile) -> 13 x 512
+    assert ring_rows(40, 8, 2, 8, 1.5) == 64  # small: 60 rounded to 8
+
+
+CFG = ModelConfig(vocab=64, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=8,
+                  n_experts=8, top_k=2, expert_ffn=12, seq_len=16, expert_impl="capacity",
+                  expert_exchange="ring")
+
+
+def test_the_moe_layer_takes_the_ring_and_matches_the_unsharded_layer(monkeypatch):
+    """The whole layer (router, statistics, auxiliary losses) under a data 2 x expert 4 mesh."""
+    graphdef, state = nnx.split(moe_module.MoE(CFG, rngs=nnx.Rngs(3)))
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(3, 7, CFG.d_model)).astype(np.float32))  # 21 tokens over 8 shards
+    mask = jnp.ones((3, 7), bool).at[-1, -1].set(False)
+    cotangent = jnp.asarray(rng.normal(size=x.shape).astype(np.float32))
+
+    def objective(state, x):
+        y, stats = nnx.merge(graphdef, state)(x, mask)
+        return jnp.sum(y * cotangent) + stats["load_balance_loss"] + 0.1 * stats["router_z_loss"], y
+
+    (ref_value, ref_y), ref_grads = jax.value_and_grad(objective, (0, 1), has_aux=True)(state, x)
+    calls = []
+    monkeypatch.setattr(moe_module, "ring_expert_outputs",
+                        lambda *a, **k: calls.append(k) or ring_expert_outputs(*a, **k))
+    with jax.set_mesh(sharding.make_mesh(Parallelism(data=2, expert=4))):
+        (value, y), grads = jax.jit(jax.value_and_grad(objective, (0, 1), has_aux=True))(state, x)
+    assert len(calls) == 1
+    np.testing.assert_allclose(np.asarray(y), np.asarray(ref_y), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(float(value), float(ref_value), rtol=1e-5)
+    for (path, g), (_, g_ref) in zip(jax.tree_util.tree_leaves_with_path(grads),
+                                     jax.tree_util.tree_leaves_with_path(ref_grads)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(g_ref), rtol=1e-4, atol=1e-6,
+                                   err_msg=jax.tree_util.keystr(path))
+
+
+def test_ring_is_a_valid_exchange_never_chosen_by_auto():
+    assert choose_expert_exchange("ring", "tpu") == "ring"
+    assert all(choose_expert_exchange("auto", p) != "ring" for p in ("cpu", "gpu", "tpu"))
+    assert dataclasses.replace(CFG).to_dict()["expert_exchange"] == "ring"
+
+
+def test_a_layout_records_its_exchange_without_changing_ids_at_auto():
+    import experiments
+    from smelt_jax.config import ConfigError
+
+    run = next(r for r in experiments.load_suite("smelt16") if r.arch == "smelt")
+    assert "exchange" not in run.parallelism.to_dict()  # ids and compile-cache keys as before
+    ring = dataclasses.replace(run.parallelism, exchange="ring")
+    assert ring.to_dict()["exchange"] == "ring"
+    assert ring.with_exchange(run.model).expert_exchange == "ring"
+    assert run.parallelism.with_exchange(run.model) is run.model
+    with pytest.raises(ConfigError, match="exchange"):
+        Parallelism(exchange="sparse")

@@ -1,0 +1,61 @@
+"""The ring exchange's collectives in the compile report's roofline (compile/hlo_stats.py): all-gathers and
+reduce-scatters under the ring's named scope count as the expert exchange (exposed unless the schedule
+overlaps them), the reduce-scatter at its input's bytes; other all-gathers (FSDP) stay ordinary ICI."""
+
+import pytest
+
+from smelt_jax.compile import report as cr
+from smelt_jax.compile.hlo_stats import RING_MARK, hlo_stats
+from smelt_jax.model.ring_exchange import RING_SCOPE
+
+_GROUPS = "replica_groups=[8,8]<=[64]"
+RING_HLO = """HloModule m, is_scheduled=true, num_partitions=64
+
+%sum (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %c = f32[] add(%a, %b)
+}
+
+ENTRY %main (x.0: bf16[4,8]) -> bf16[4,8] {
+  %x.0 = bf16[4,8]{1,0} parameter(0)
+  %w = bf16[32,8]{1,0} all-gather(%x.0), dimensions={0}, replica_groups=[8,8]<=[64], metadata={op_name="jit(step)/fsdp/all_gather"}
+  %g = bf16[32,8]{1,0} all-gather(%x.0), dimensions={0}, GROUPS, metadata={op_name="moe/ring_exchange/all_gather"}
+  %f = bf16[32,8]{1,0} fusion(%g, %w), kind=kLoop, calls=%sum
+  %rss = (bf16[32,8]{1,0}, bf16[4,8]{1,0}) reduce-scatter-start(%f), dimensions={0}, GROUPS, to_apply=%sum, \
+metadata={op_name="transpose(jvp(moe))/ring_exchange/reduce_scatter"}
+  %h = bf16[32,8]{1,0} fusion(%w), kind=kLoop, calls=%sum
+  ROOT %rs = bf16[4,8]{1,0} reduce-scatter-done(%rss)
+}
+""".replace("GROUPS", _GROUPS)
+
+
+def test_the_ring_scope_is_what_the_hlo_walk_looks_for():
+    assert RING_MARK == RING_SCOPE
+
+
+def test_ring_collectives_count_as_the_exchange_and_exposed_unless_overlapped():
+    stats = hlo_stats(RING_HLO)
+    gather = 32 * 8 * 2  # bytes of either all-gather's result
+    scatter = 8 * 4 * 8 * 2  # the reduce-scatter's input: group 8 x its 64-byte result
+    assert dict(((k, g), b) for k, g, b in stats.exchange_send_bytes_by_group) == {
+        ("all-gather", 8): gather, ("reduce-scatter", 8): scatter}
+    assert ("all-gather", 8, 2 * gather) in stats.send_bytes_by_group  # the FSDP gather too, as ICI
+    assert stats.send_bytes == 2 * gather + scatter
+    # the synchronous ring all-gather is exposed; the async reduce-scatter has a fusion in flight
+    assert stats.exchange_exposed_bytes == gather
+    back_to_back = RING_HLO.replace("  %h = bf16[32,8]{1,0} fusion(%w), kind=kLoop, calls=%sum\n", "")
+    assert hlo_stats(back_to_back).exchange_exposed_bytes == gather + scatter
+
+
+def test_the_report_adds_the_exposed_ring_exchange_after_the_overlapped_terms():
+    base = dict(run_id="r", slice="v5p-128", layout={"data": 1, "fsdp": 8, "expert": 8, "tensor": 1},
+                remat="full", expert_impl="pallas", peak_fits_hbm=True, error=None, compile_seconds=1.0,
+                budget_flops=1e6)
+    report = cr.analyse(cr.CompileReport(**base), {"dot_general": 64 * 1e6}, RING_HLO)
+    exposed = report.exchange_exposed_seconds
+    assert exposed > 0 and report.comm_seconds > exposed
+    gather_share = (32 * 8 * 2) / (32 * 8 * 2 + 8 * 4 * 8 * 2)  # the exposed part of the exchange's bytes
+    exchange_seconds = report.comm_seconds * (32 * 8 * 2 + 8 * 4 * 8 * 2) / (2 * 32 * 8 * 2 + 8 * 4 * 8 * 2)
+    assert exposed == pytest.approx(exchange_seconds * gather_share)
+    assert report.step_seconds == pytest.approx(cr.roofline_terms(report)[0])
