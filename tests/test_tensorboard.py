@@ -191,3 +191,38 @@ def test_smelt_train_wandb_offline_holds_the_logged_scalars(tmp_path, corpus, mo
     config = wandb_reader.config(path)
     assert {k: config[k] for k in ("id", "arch", "sparsity", "phase")} == {
         "id": run.id, "arch": run.arch, "sparsity": run.sparsity_label, "phase": "stable"}
+
+
+@pytest.mark.integration
+def test_branch_trainer_writes_one_wandb_offline_run_with_its_final_evaluation(tmp_path, corpus,
+                                                                               monkeypatch):
+    """One trainer process of a decay branch, W&B offline: one offline-run-* folder (in the phase
+    folder), holding the training scalars and the final evaluation (the endpoint's losses), not a
+    second run for the evaluation."""
+    pytest.importorskip("wandb")
+    from tests import wandb_reader
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("WANDB_DIR", raising=False)  # the phase folder: one phase's runs alone there
+    run = _run()
+    quick = {**OPTIONS.__dict__, "tensorboard": False}
+    with pytest.raises(Preempted):  # the stable run up to branch 0's fork step (6), no W&B
+        train(run, root=tmp_path, corpus=corpus, options=TrainOptions(**{**quick, "stop_after": 6}))
+    train(run, 0, root=tmp_path, corpus=corpus, options=TrainOptions(**{**quick, "wandb": "smelt-test"}))
+    rd = run_dir(run.suite, run.id, tmp_path)
+    folders = sorted(rd.phase(0).glob("wandb/offline-run-*"))
+    assert len(folders) == 1, folders
+    (path,) = wandb_reader.run_files(rd.phase(0))
+    assert path.parent == folders[0] and path.name == f"run-{run.id}-branch0.wandb"
+    rows = wandb_reader.history(path)
+    records = read_metrics(rd.metrics(0))
+    assert [r["step"] for r in rows if "train/loss" in r] == [r["step"] for r in records
+                                                              if "loss" in r] == [7, 8, 9, 10]
+    (final,) = [r for r in records if "eval" in r]
+    evals = [r for r in rows if "eval/overall" in r]
+    assert [r["step"] for r in evals] == [final["step"]] == [10]
+    assert set(final["eval"]) == {k.removeprefix("eval/") for k in evals[0] if k.startswith("eval/")}
+    for source, value in final["eval"].items():
+        assert _close(evals[0][f"eval/{source}"], value), source
+    assert wandb_reader.config(path)["phase"] == "branch0"

@@ -175,6 +175,19 @@ class _Logs:
         self.close()
 
 
+class _Borrowed:
+    """A writer lent to one _Logs: records go through, close() leaves it open for its owner."""
+
+    def __init__(self, writer) -> None:
+        self.writer = writer
+
+    def write(self, record: dict[str, Any]) -> None:
+        self.writer.write(record)
+
+    def close(self) -> None:
+        pass
+
+
 def _phase_name(branch: int | None) -> str:
     return "stable" if branch is None else f"branch {branch}"
 
@@ -195,6 +208,22 @@ class _Phase:
         self.keep = set(run.schedule.fork_steps) | {self.end} if branch is None else {self.end}
         self.is_writer = jax.process_index() == 0
         self.name = f"{run.id} {_phase_name(branch)}"
+        self._wandb = None  # the phase's one W&B run in this process (wandb_log), opened on first use
+
+    def wandb_log(self) -> _Borrowed | None:
+        """The W&B run of this trainer process (None without --wandb): one run for the repair, the
+        training loop and the final evaluation, so W&B offline writes one offline-run-* folder per
+        process. The callers' logs borrow it (closing them leaves it open); _run_phase closes it."""
+        if not self.options.wandb:
+            return None
+        if self._wandb is None:
+            self._wandb = wandb_writer(self.options.wandb, self.run, self.branch, self.rd.phase(self.branch))
+        return _Borrowed(self._wandb)
+
+    def close_wandb(self) -> None:
+        writer, self._wandb = self._wandb, None
+        if writer is not None:
+            writer.close()
 
     def check_data(self, step: int, metadata: dict) -> None:
         """DataChanged when the checkpoint restored at `step` was saved training on other data."""
@@ -307,16 +336,22 @@ def train(run: RunSpec, branch: int | None = None, *, root: Path | None = None, 
 
 
 def _run_phase(phase: _Phase) -> dict[str, Any]:
-    """restore -> repair (each missing fork checkpoint, oldest first) -> loop -> finish."""
-    phase.check_stop("before restoring")
-    if phase.is_writer:
-        write_spec(phase.run, phase.rd, phase.data)
-    while True:
-        ckpt, hole, good = _open_checkpoints(phase)
-        if hole is None:
-            break
-        _repair(phase, ckpt, hole, good)
-    summary = _train_to_end(phase, ckpt)
+    """restore -> repair (each missing fork checkpoint, oldest first) -> loop -> finish; then the
+    phase's W&B run (phase.wandb_log), if one was opened, is closed."""
+    try:
+        phase.check_stop("before restoring")
+        if phase.is_writer:
+            write_spec(phase.run, phase.rd, phase.data)
+        while True:
+            ckpt, hole, good = _open_checkpoints(phase)
+            if hole is None:
+                break
+            _repair(phase, ckpt, hole, good)
+        summary = _train_to_end(phase, ckpt)
+    except BaseException:
+        _close_quietly(phase.close_wandb)
+        raise
+    phase.close_wandb()
     phase.check_stop(f"after the phase finished (step {summary['step']}; nothing left to do)")
     return summary
 
@@ -449,8 +484,7 @@ def _finish_branch(phase: _Phase, state: TrainState) -> dict[str, Any]:
         from smelt_jax.train.metrics_log import MetricsWriter
         with _Logs(MetricsWriter(phase.rd.metrics(phase.branch)),
                    _event_writer(phase.rd, phase.branch, phase.options, run=phase.run),
-                   wandb_writer(phase.options.wandb, phase.run, phase.branch,
-                                phase.rd.phase(phase.branch))) as log:
+                   phase.wandb_log()) as log:
             log.write({"step": phase.end, "eval": losses})
         out["endpoint"] = write_endpoint(phase.run, phase.branch, losses, root=phase.root, rd=phase.rd)
     return out
@@ -470,7 +504,7 @@ def _loop(phase: _Phase, ckpt: Checkpointer, state: TrainState, *, stop_at: int,
     # Only process 0 writes metrics; the others log into the void.
     log_context = (_Logs(MetricsWriter(phase.rd.metrics(phase.branch)),
                          _event_writer(phase.rd, phase.branch, options, state.step, run=phase.run),
-                         wandb_writer(options.wandb, phase.run, phase.branch, phase.rd.phase(phase.branch)))
+                         phase.wandb_log())
                    if phase.is_writer else NullWriter())
     profiler = _profiler(phase, state.step)
     try:

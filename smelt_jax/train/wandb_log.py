@@ -5,7 +5,9 @@ The writer takes the records the trainer writes to `metrics.jsonl` (the interfac
 `eval/<source>`; tensorboard.scalars_of) against the training step, with the run's hyperparameters
 (tensorboard.run_hparams) as the W&B config. One W&B run per phase: its id is `<run id>-<phase>`
 (resumed with `resume="allow"` when the trainer restarts), its group the run id, so a run's stable
-phase and branches sit together and runs compare by arch and sparsity.
+phase and branches sit together and runs compare by arch and sparsity. A trainer process opens the
+run once (trainer._Phase.wandb_log) and logs its training, any repair and a branch's final
+evaluation into it, so W&B offline writes one `offline-run-*` folder per trainer process.
 
 A resumed phase logs again the steps after its checkpoint: `step` is the x axis (define_metric),
 not W&B's own counter, so a repeated step is one more point at that step, not an error.
