@@ -171,6 +171,28 @@ def execution_counts(entry: str, computations: dict[str, list[Instruction]]
     return runs, trips
 
 
+def data_dependent_computations(entry: str, computations: dict[str, list[Instruction]]) -> set[str]:
+    """Computations that run inside a `while` whose trip count the text does not state (neither
+    `known_trip_count` nor a constant bound): a loop whose length depends on the data, such as the MoE
+    exchange's overflow passes. `execution_counts` runs their bodies once per entry to the loop."""
+    found: set[str] = set()
+    seen: set[tuple[str, bool]] = set()
+
+    def visit(name: str, inside: bool) -> None:
+        if (name, inside) in seen:
+            return
+        seen.add((name, inside))
+        if inside:
+            found.add(name)
+        for instruction in computations.get(name, ()):
+            unknown = instruction.op == "while" and trip_count(instruction, computations) is None
+            for role, callee in _callees(instruction):
+                visit(callee, inside or (unknown and role in ("body", "condition")))
+
+    visit(entry, False)
+    return found
+
+
 def group_size(instruction: Instruction) -> int | None:
     """Devices in one replica group of a collective (None: every device, `replica_groups={}` or none
     stated); a collective-permute counts 2 (each device sends to one peer)."""
