@@ -26,6 +26,25 @@ CATEGORY_HLO = "HloModule m, is_scheduled=true\n\n" + _SUM + """
   ROOT %dus = f32[4,64,128]{2,1,0} dynamic-update-slice(%p0, %row, %p2, %z, %z)
 }
 
+%fused_slice (r0: f32[4,64,128], r1: s32[]) -> f32[64,128] {
+  %r0 = f32[4,64,128]{2,1,0} parameter(0)
+  %r1 = s32[] parameter(1)
+  %zr = s32[] constant(0)
+  %ds = f32[1,64,128]{2,1,0} dynamic-slice(%r0, %r1, %zr, %zr), dynamic_slice_sizes={1,64,128}
+  ROOT %sq = f32[64,128]{1,0} bitcast(%ds)
+}
+
+%fused_dot_into_stack (k0: f32[4,64,128], k1: bf16[64,128], k2: bf16[128,128], k3: s32[]) -> f32[4,64,128] {
+  %k0 = f32[4,64,128]{2,1,0} parameter(0)
+  %k1 = bf16[64,128]{1,0} parameter(1)
+  %k2 = bf16[128,128]{1,0} parameter(2)
+  %kd = f32[64,128]{1,0} dot(%k1, %k2), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %kr = f32[1,64,128]{2,1,0} bitcast(%kd)
+  %k3 = s32[] parameter(3)
+  %kz = s32[] constant(0)
+  ROOT %kdus = f32[4,64,128]{2,1,0} dynamic-update-slice(%k0, %kr, %k3, %kz, %kz)
+}
+
 %fused_dot (q0: bf16[64,128], q1: bf16[128,128]) -> f32[64,128] {
   %q0 = bf16[64,128]{1,0} parameter(0)
   %q1 = bf16[128,128]{1,0} parameter(1)
@@ -59,6 +78,8 @@ ENTRY %main (x: f32[64,128], w: bf16[128,128], stack: f32[4,64,128], i: s32[], i
   %a2a = f32[64,128]{1,0} all-to-all(%x), dimensions={0}, metadata={op_name="jit(train_step)/jvp(moe)/experts/all_to_all"}
   %ag = f32[64,128]{1,0} all-gather(%x), dimensions={0}, metadata={op_name="jit(train_step)/all_gather"}
   %st = f32[4,64,128]{2,1,0} fusion(%stack, %x, %i), kind=kLoop, calls=%fused_stack, metadata={op_name="jit(train_step)/while/body/dynamic_update_slice"}
+  %sl = f32[64,128]{1,0} fusion(%stack, %i), kind=kLoop, calls=%fused_slice, metadata={op_name="jit(train_step)/transpose(jvp())/while/body/squeeze"}
+  %lm = f32[4,64,128]{2,1,0} fusion(%stack, %xb, %w, %i), kind=kOutput, calls=%fused_dot_into_stack, metadata={op_name="jit(train_step)/jvp(unembedding_loss)/dot_general"}
   %xb = bf16[64,128]{1,0} convert(%x), metadata={op_name="jit(train_step)/jvp(moe)/experts/convert_element_type"}
   %kern = f32[64,128]{1,0} custom-call(%xb, %w), custom_call_target="tpu_custom_call", metadata={op_name="jit(train_step)/jvp(moe)/experts/pallas_call"}
   %att = f32[64,128]{1,0} fusion(%xb, %w), kind=kOutput, calls=%fused_dot, metadata={op_name="jit(train_step)/transpose(jvp(attention))/dot_general"}
@@ -72,6 +93,7 @@ ENTRY %main (x: f32[64,128], w: bf16[128,128], stack: f32[4,64,128], i: s32[], i
 
 # category of each instruction above, by name (ENTRY's convert %xb is a copy in the experts scope)
 CATEGORY_OF = {"a2a": "expert exchange", "ag": "other collectives", "st": "residual stacks", "xb": "copies",
+               "sl": "residual stacks", "lm": "loss",
                "kern": "expert kernels", "att": "attention", "gat": "permutations / gathers / scatters",
                "cp": "copies", "loss": "loss", "adam": "optimizer", "norm": "other"}
 

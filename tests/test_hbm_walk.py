@@ -35,6 +35,7 @@ def test_classify_files_each_hand_written_instruction_in_its_category():
     ("compute", "jit(train_step)/optimizer/adam/mul", "optimizer"),
     ("matmul", "jit(train_step)/jvp(unembedding_loss)/dot_general", "loss"),
     ("stack", "jit(train_step)/jvp(attention)/while/body/dynamic_update_slice", "residual stacks"),
+    ("kernel", "splash_mha_dkv_segmented.3", "attention"),  # a Mosaic kernel without metadata: its name
     ("compute", "", "other"),
 ])
 def test_classify_by_kind_and_innermost_scope(kind, name, category):
@@ -52,8 +53,10 @@ def test_categories_sum_exactly_to_the_walked_total():
     assert sum(b.by_category.values()) == b.total == hbm_bytes(CATEGORY_HLO).total
     assert all(b.by_category[c] > 0 for c in set(CATEGORY_OF.values()))
     assert len(b.top) == 5 and b.top[0].bytes == max(c.total for c in walk(CATEGORY_HLO))
-    # the stack fusion reads its row (x) and index and writes the row: never the [4, 64, 128] stack
-    assert b.by_category["residual stacks"] == 2 * 64 * 128 * 4 + 4
+    # the update reads its row (x) and index and writes the row; the slice reads one row and the index
+    # and writes it: never the [4, 64, 128] stack
+    row = 64 * 128 * 4
+    assert b.by_category["residual stacks"] == (2 * row + 4) + (2 * row + 4)
     text = format_breakdown(b)
     assert all(c in text for c in CATEGORIES) and "jvp(moe)/experts/pallas_call" in text
 
@@ -139,3 +142,27 @@ def test_gathers_and_scatters_are_charged_the_rows_they_touch():
     # the fused scatter into its parameter: indices and updates read, the updated rows written
     assert charges["fs"] == indices + rows + rows
     assert hbm_bytes(GATHER_SCATTER_HLO).total < table  # never the whole table
+
+
+# ------------------------------------------------------------------------------ the compile report
+
+
+def test_the_compile_report_keeps_the_breakdown_and_prints_it_on_request():
+    from smelt_jax.compile import report as cr
+
+    base = cr.CompileReport(run_id="r", slice="v5p-128", layout={"data": 1, "fsdp": 8, "expert": 8, "tensor": 1},
+                            remat="none", expert_impl="pallas", peak_fits_hbm=True, error=None,
+                            compile_seconds=1.0, budget_flops=1e12)
+    report = cr.analyse(base, {"dot_general": 64e12}, OVERFLOW_HLO, overflow_passes=(2, 18))
+    assert report.hbm_traffic_bytes == hbm_bytes(OVERFLOW_HLO, overflow_trips=2).total
+    assert sum(report.hbm_by_category.values()) == report.hbm_traffic_bytes
+    assert (report.overflow_passes, report.overflow_passes_worst) == (2, 18)
+    assert report.breakdown().total_worst == hbm_bytes(OVERFLOW_HLO, overflow_trips=18).total
+    assert report.hbm_top[0]["bytes"] == max(c.total for c in walk(OVERFLOW_HLO, overflow_trips=2))
+    assert "HBM walked by category" not in cr.format_report(report)
+    text = cr.format_report(report, with_breakdown=True)
+    assert "HBM walked by category (MB per device per step" in text
+    assert "2 passes per layer expected" in text and "worst case 18 passes" in text
+    restored = cr.CompileReport(**{k: v for k, v in report.as_dict().items()
+                                   if k not in ("flops_ratio", "program_ratio")})
+    assert restored.breakdown() == report.breakdown()  # what the compile report's cache keeps

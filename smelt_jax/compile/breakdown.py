@@ -65,20 +65,22 @@ def _short(text: str, width: int) -> str:
 
 
 def format_breakdown(b: Breakdown) -> str:
-    """Lines: bytes by category (GB and share), the overflow loop's expected and worst case, the top rows."""
-    gb = lambda value: f"{value / 1e9:,.1f}"
-    lines = [f"  HBM walked by category (GB per device per step; total {gb(b.total)}):"]
+    """Lines: bytes by category (GB, or MB for a small program, and share), the overflow loop's expected
+    and worst case, the top rows."""
+    unit, scale = ("GB", 1e9) if b.total >= 10e9 else ("MB", 1e6)
+    gb = lambda value: f"{value / scale:,.1f}"
+    lines = [f"  HBM walked by category ({unit} per device per step; total {gb(b.total)}):"]
     for category in CATEGORIES:
         value = b.by_category.get(category, 0.0)
         share = value / b.total if b.total else 0.0
         note = ""
         if category == OVERFLOW:
-            note = (f"  ({b.overflow_passes:g} passes per layer expected, {gb(b.overflow_per_trip)} GB a pass; "
+            note = (f"  ({b.overflow_passes:g} passes per layer expected, {gb(b.overflow_per_trip)} {unit} a pass; "
                     f"worst case {b.overflow_passes_worst:g} passes: "
-                    f"{gb(b.overflow_passes_worst * b.overflow_per_trip)} GB, total {gb(b.total_worst)})")
+                    f"{gb(b.overflow_passes_worst * b.overflow_per_trip)} {unit}, total {gb(b.total_worst)})")
         lines.append(f"    {category:<34} {gb(value):>10} {100 * share:5.1f}%{note}")
-    lines.append(f"  top {len(b.top)} instructions (GB per step = times x bytes per execution):")
-    lines.append(f"    {'GB':>8} {'times':>7}  {'category':<20} {'instruction':<28} {'op':<14} shape | op_name")
+    lines.append(f"  top {len(b.top)} instructions ({unit} per step = times x bytes per execution):")
+    lines.append(f"    {unit:>8} {'times':>7}  {'category':<20} {'instruction':<28} {'op':<14} shape | op_name")
     for row in b.top:
         lines.append(f"    {gb(row.bytes):>8} {row.times:>7g}  {_short(row.category, 20):<20} "
                      f"{_short(row.name, 28):<28} {row.op:<14} {_short(row.shape, 60)} | {_short(row.op_name, 110)}")

@@ -12,9 +12,10 @@ e.g. `jit(train_step)/transpose(jvp(moe))/experts/dot_general`, and the model na
 
 1. an all-to-all (the MoE layer's token exchange, padded or ragged)   -> expert exchange
 2. any other collective (FSDP gathers, gradient reductions)           -> other collectives
-3. an in-place update of a stack or a slice of one (dynamic-update-slice, dynamic-slice alone or as
-   a fusion's root): the layer scan's saved residuals and stacked weights -> residual stacks
-4. scope optimizer / unembedding_loss / attention                     -> optimizer / loss / attention
+3. an in-place update of a stack or a slice of one (dynamic-update-slice alone or as a fusion's root,
+   dynamic-slice alone or with data movement only; no matmul): the layer scan's saved residuals and
+   stacked weights                                                      -> residual stacks
+4. scope optimizer / unembedding_loss / attention, or a splash kernel -> optimizer / loss / attention
 5. a matmul or custom kernel inside the `experts` scope                -> expert kernels
 6. a gather, scatter or sort (a fusion holding one)                   -> permutations / gathers / scatters
 7. only data movement (copy, transpose, pad, slice, concatenate, convert, broadcast, ...) -> copies
@@ -44,10 +45,13 @@ _CALLS = re.compile(r"\bcalls=%([\w.\-]+)")
 
 
 def op_name(instruction: Instruction, computations: dict[str, list[Instruction]] | None = None) -> str:
-    """The instruction's metadata op_name; for a fusion without one, the longest inside it."""
+    """The instruction's metadata op_name; for a fusion without one, the longest inside it; for a custom
+    call without one, its instruction name (Mosaic kernels are named after the kernel: splash_mha_fwd...)."""
     found = _OP_NAME.search(instruction.rest)
     if found:
         return found.group(1)
+    if instruction.op == "custom-call":
+        return instruction.name
     if instruction.op != "fusion" or not computations:
         return ""
     called = _CALLS.search(instruction.rest)
@@ -90,8 +94,10 @@ def kind_of(instruction: Instruction, computations: dict[str, list[Instruction]]
         fused = computations.get(called.group(1), []) if called else []
         ops = _fused_ops(called.group(1), computations, set()) if called else set()
         root = fused[-1] if fused else None
-        if root is not None and (root.op in _STACK_OPS or (root.op == "tuple" and "dynamic-update-slice" in ops
-                                                           and not ops & {"dot", "convolution"})):
+        updates = root is not None and (root.op == "dynamic-update-slice"
+                                        or (root.op == "tuple" and "dynamic-update-slice" in ops))
+        only_slices = bool(ops & _STACK_OPS) and ops - _MOVES <= _STACK_OPS
+        if (updates or only_slices) and not ops & {"dot", "convolution"}:
             return "stack"
     if ops & {"dot", "convolution"}:
         return "matmul"
@@ -119,6 +125,8 @@ def classify(kind: str, name: str) -> str:
     if kind == "stack":
         return "residual stacks"
     scope = scope_of(name)
+    if kind == "kernel" and "splash" in name:  # a Mosaic attention kernel, named but often without metadata
+        return "attention"
     if scope in _BY_SCOPE:
         return _BY_SCOPE[scope]
     if scope == "experts" and kind in ("matmul", "kernel"):
