@@ -3,7 +3,7 @@
     b = breakdown(hlo_text, overflow_passes=(expected, worst), n_top=25)
     b.by_category  # {category: bytes per device per step}; sums to b.total exactly (overflow at expected)
     b.top          # the n_top largest instructions: TopRow(name, op, shape, op_name, category, times, bytes)
-    format_breakdown(b) -> text; category_table(rows) -> the compile report's markdown table
+    format_breakdown(b) -> text; category_header(), category_row(key, ...) -> the compile report's markdown table
 
 Categories and the rules that file an instruction: `walk_categories`; the walk itself: `hbm_traffic`.
 The MoE overflow loop (a loop of data-dependent trip count) is charged at its expected passes from
