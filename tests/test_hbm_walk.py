@@ -10,7 +10,7 @@ from smelt_jax.compile.breakdown import breakdown, category_row, format_breakdow
 from smelt_jax.compile.hbm_traffic import hbm_bytes, walk
 from smelt_jax.compile.hlo_layout import hbm_shape_bytes, is_on_chip
 from smelt_jax.compile.hlo_stats import parse_module
-from smelt_jax.compile.overflow import overflow_passes
+from smelt_jax.compile.overflow import overflow_passes, step_overflow_passes
 from smelt_jax.compile.walk_categories import CATEGORIES, OVERFLOW, classify, kind_of, op_name, scope_of
 from tests.hlo_walk_samples import CATEGORY_HLO, CATEGORY_OF, GATHER_SCATTER_HLO, OVERFLOW_HLO, VMEM_HLO
 
@@ -92,6 +92,14 @@ def test_expected_overflow_passes_follow_the_load_and_the_worst_case_holds_every
     assert overflow_passes(**args, load=2.2) == 2  # 36,045 rows
     assert overflow_passes(**args, load=math.inf) == -(-(131072 - 24576) // 6144) == 18
     assert overflow_passes(**{**args, "slack": None}, load=math.inf) == 0  # worst-case buffers: no loop
+
+
+def test_a_step_expects_the_passes_of_its_layout():
+    import experiments
+
+    run = experiments.find_run("smelt16-100m-s95-smelt-b122f12b")  # 16,384 tokens per device, k 8, E_l 36
+    assert step_overflow_passes(run, {"data": 1, "fsdp": 8, "expert": 8, "tensor": 1}) == (2, 18)
+    assert step_overflow_passes(run, {"data": 64, "fsdp": 1, "expert": 1, "tensor": 1}) == (1, 1)  # no loop
 
 
 # ------------------------------------------------------------------------------ (b) on-chip memory

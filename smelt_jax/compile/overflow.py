@@ -43,13 +43,14 @@ def overflow_passes(tokens_local: int, top_k: int, experts_local: int, expert_sh
 
 def step_overflow_passes(run, layout: dict[str, int], load: float = MEASURED_LOAD) -> tuple[int, int]:
     """(expected, worst) overflow passes per MoE layer of `run`'s train step on a mesh of `layout`
-    ({'data', 'fsdp', 'expert', 'tensor'} sizes); (0, 0) without expert parallelism."""
+    ({'data', 'fsdp', 'expert', 'tensor'} sizes). Without expert parallelism there is no overflow loop:
+    (1, 1), so a loop of unknown length the program may hold is charged once, as the walk did before."""
     from smelt_jax.model.expert_exchange import token_axes
 
     shards = layout.get("expert", 1)
     cfg = run.model
     if shards <= 1 or not cfg.n_experts:
-        return 0, 0
+        return 1, 1
     token_shards = math.prod(layout[a] for a in token_axes(SimpleNamespace(shape=layout)))
     tokens_local = -(-run.schedule.tokens_per_step // token_shards)
     args = (tokens_local, cfg.top_k, cfg.n_experts // shards, shards, cfg.expert_buffer_slack)
