@@ -47,13 +47,7 @@ import re
 from collections import defaultdict
 
 from smelt_jax.compile.hlo_layout import hbm_shape_bytes
-from smelt_jax.compile.hlo_stats import (
-    Instruction,
-    _callees,
-    data_dependent_computations,
-    parse_module,
-    trip_count,
-)
+from smelt_jax.compile.hlo_stats import Instruction, data_dependent_computations, execution_counts, parse_module
 from smelt_jax.compile.walk_categories import CATEGORIES, OVERFLOW, classify, kind_of, op_name
 
 FREE_OPS = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while",
@@ -185,31 +179,6 @@ def instruction_bytes(instruction: Instruction, shapes: dict[str, str],
     return float(sum(operand_bytes)) + result
 
 
-def _execution_counts(entry: str, computations: dict[str, list[Instruction]], unknown_trips: float
-                      ) -> tuple[dict[str, float], list[int | None]]:
-    """As `hlo_stats.execution_counts`, with a loop of unstated trip count run `unknown_trips` times."""
-    runs: dict[str, float] = defaultdict(float)
-    trips: list[int | None] = []
-
-    def visit(name: str, times: float) -> None:
-        runs[name] += times
-        for instruction in computations.get(name, ()):
-            if instruction.op.endswith("-done"):  # its start already led to the callee
-                continue
-            trip = None
-            if instruction.op == "while":
-                trip = trip_count(instruction, computations)
-                trips.append(trip)
-            for role, callee in _callees(instruction):
-                factor = 1.0
-                if instruction.op == "while" and role in ("body", "condition"):
-                    factor = float(trip if trip is not None else unknown_trips) + (role == "condition")
-                visit(callee, times * factor)
-
-    visit(entry, 1.0)
-    return runs, trips
-
-
 def walk(text: str, overflow_trips: float = 1.0) -> list[Charge]:
     """Every top-level instruction that moves bytes, with its category and executions per step."""
     return _walk(text, overflow_trips)[0]
@@ -218,8 +187,8 @@ def walk(text: str, overflow_trips: float = 1.0) -> list[Charge]:
 def _walk(text: str, overflow_trips: float) -> tuple[list[Charge], list[int | None], float]:
     """(charges, loop trip counts, bytes one more trip of the data-dependent loops adds)."""
     entry, computations = parse_module(text)
-    runs, trips = _execution_counts(entry, computations, overflow_trips)
-    one_more, _ = _execution_counts(entry, computations, overflow_trips + 1.0)
+    runs, trips = execution_counts(entry, computations, overflow_trips)
+    one_more, _ = execution_counts(entry, computations, overflow_trips + 1.0)
     dependent = data_dependent_computations(entry, computations)
     inner = set()  # fused computations and reducers: parts of one instruction, not program steps
     for instructions in computations.values():
