@@ -1,6 +1,7 @@
 """`smelt compile RUN_ID --topology v5p-128 [--layout data=..,fsdp=..,expert=..] [--remat P] [--json]
-[--hlo-out FILE]`: compile a run's train step for a TPU slice on this CPU and report memory, FLOPs,
-collectives, HBM traffic, the roofline step and its MFUs (optionally writing the compiled HLO, gzipped);
+[--hlo-out FILE] [--breakdown]`: compile a run's train step for a TPU slice on this CPU and report memory, FLOPs,
+collectives, HBM traffic, the roofline step and its MFUs (optionally writing the compiled HLO, gzipped,
+and the HBM walk by category with its largest instructions);
 `smelt compile-report --suite S`: choose a layout for every configuration of a suite."""
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ def cmd_compile(args) -> int:
     if args.exchange:  # an explicit --exchange wins over the one recorded with the layout
         layout = dataclasses.replace(layout, exchange=args.exchange)
     report = compile_run(run, args.topology, layout, remat=args.remat, hlo_path=args.hlo_out)
-    print(json.dumps(report.as_dict(), indent=1) if args.json else format_report(report))
+    print(json.dumps(report.as_dict(), indent=1) if args.json else format_report(report, args.breakdown))
     return 0 if report.peak_fits_hbm else 1
 
 
@@ -43,6 +44,8 @@ def register(subparsers) -> None:
                         "on TPU; 'ring': all-gather + reduce-scatter, model/ring_exchange.py)")
     p.add_argument("--hlo-out", metavar="FILE",
                    help="write the compiled per-device HLO text here, gzip-compressed (e.g. step.hlo.gz)")
+    p.add_argument("--breakdown", action="store_true",
+                   help="also print the walked HBM bytes by category and the 25 largest instructions")
     p.add_argument("--json", action="store_true", help="the report as one JSON object")
     p.set_defaults(handler=cmd_compile)
     register_report(subparsers)

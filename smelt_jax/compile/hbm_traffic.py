@@ -1,6 +1,9 @@
 """HBM bytes a compiled (per-device, scheduled) HLO module moves per execution, walked from its text.
 
-    hbm_bytes(compiled.as_text()) -> HbmTraffic(total, by_op, loops)
+    walk(compiled.as_text(), overflow_trips=1.0) -> [Charge(name, op, shape, op_name, category, times,
+                                                      bytes, data_dependent), ...]
+    hbm_bytes(compiled.as_text(), overflow_trips=1.0) -> HbmTraffic(total, by_op, loops, by_category,
+                                                                    overflow_per_trip)
 
 The method (docs/roofline.md): every *top-level* instruction -- one of a computation that runs as a
 program step (ENTRY, a `while` body or condition, a conditional branch, a called computation), not one
@@ -8,22 +11,33 @@ inside a fusion -- reads its operands from HBM and writes its result there. Its 
 + result bytes, times the number of times its computation runs (`hlo_stats.execution_counts`: a `while`
 body x its trip count, from `known_trip_count` in the loop's backend_config, else the condition's
 constant). That is the convention of XLA's own `cost_analysis()["bytes accessed"]`, which however counts
-each loop body once (tests/test_program_costs.py checks the two agree on a loop-free program).
+each loop body once (tests/test_program_costs.py checks the two agree on loop-free programs).
 
-Refinements, also those of XLA's cost analysis, so that a loop over stacked layers is not charged the
-whole stack per iteration:
+Bytes of a shape are its HBM bytes (`hlo_layout.hbm_shape_bytes`): padded to whole TPU tiles
+(`{1,0:T(8,128)}` pads the last two dims to 8 x 128), and 0 for a buffer the compiler placed in on-chip
+memory (`S(1)`, VMEM). So an async copy between HBM and VMEM (`copy-start` / `copy-done`, a prefetch or an
+eviction) is charged its HBM side once, and whoever reads the VMEM buffer reads it for free.
+
+Refinements, also those of XLA's cost analysis, so that an op is charged what it touches:
 - a fusion operand that the fused computation only slices (`dynamic-slice`, `slice`, `gather`) is
   charged the bytes of the slices, not the whole operand;
-- an in-place update (`dynamic-update-slice`) is charged the update read and written, not the buffer it
-  updates (as a fusion's root on one of the fusion's operands, or as an element of a multi-output
-  fusion's tuple root, the form a scan's stacked residuals take on TPU: that operand is free and that
-  output is charged the update's bytes);
+- an in-place update (`dynamic-update-slice`, `scatter`) is charged the update, not the buffer it
+  updates (alone, as a fusion's root on one of the fusion's operands, or as an element of a
+  multi-output fusion's tuple root, the form a scan's stacked residuals take on TPU);
+- a `gather` reads the rows it gathers (its result) and its indices, and writes its result; a
+  `scatter` reads its indices and updates and writes the rows it updates (the updates' size);
 - instructions that move nothing are free: parameter, constant, get-tuple-element, tuple, bitcast,
   the `while` / `conditional` / `call` / `async-start` wrappers (the computations they run are walked),
   after-all, partition-id; reducers (`to_apply`) and fused computations are parts of one instruction.
 Async pairs (`*-start` / `*-done`) are charged once: operands at the start, result at the done.
 Mosaic kernels (`custom-call`) are charged their operands and results: a lower bound for kernels that
 re-read an operand (splash reads each key block once per query block it meets).
+
+A `while` whose trip count the text does not state (the MoE exchange's overflow passes: as many as the
+fullest block needs, `hlo_stats.data_dependent_computations`) runs `overflow_trips` times: its charges
+are flagged `data_dependent` and filed under the category `overflow loop`, and `overflow_per_trip` is
+what one more trip adds. Every other instruction is filed by `walk_categories.classify`; the categories
+sum to the total exactly.
 """
 
 from __future__ import annotations
@@ -32,7 +46,9 @@ import dataclasses
 import re
 from collections import defaultdict
 
-from smelt_jax.compile.hlo_stats import Instruction, execution_counts, parse_module, shape_bytes
+from smelt_jax.compile.hlo_layout import hbm_shape_bytes
+from smelt_jax.compile.hlo_stats import Instruction, data_dependent_computations, execution_counts, parse_module
+from smelt_jax.compile.walk_categories import CATEGORIES, OVERFLOW, classify, kind_of, op_name
 
 FREE_OPS = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while",
                       "conditional", "call", "after-all", "partition-id", "replica-id", "add-dependency",
@@ -40,15 +56,37 @@ FREE_OPS = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bi
 # Wrappers whose called computation is walked itself (charging both would count the op twice).
 ASYNC_WRAPPERS = frozenset({"async-start", "async-update", "async-done", "call-start", "call-done"})
 SLICING_OPS = frozenset({"dynamic-slice", "slice", "gather"})
+IN_PLACE_OPS = frozenset({"dynamic-update-slice", "scatter"})
 _NAME = re.compile(r"%([\w.\-]+)")
 _PARAMETER = re.compile(r"^(\d+)\)")
 
 
 @dataclasses.dataclass(frozen=True)
+class Charge:
+    """One top-level instruction's HBM bytes: `bytes` per execution, `times` executions per step."""
+
+    name: str
+    op: str
+    shape: str
+    op_name: str
+    category: str
+    times: float
+    bytes: float
+    data_dependent: bool = False  # inside a loop of data-dependent trip count (times at overflow_trips)
+
+    @property
+    def total(self) -> float:
+        return self.times * self.bytes
+
+
+@dataclasses.dataclass(frozen=True)
 class HbmTraffic:
-    total: float  # bytes per execution of the module (per device)
+    total: float  # bytes per execution of the module (per device), overflow loops at overflow_trips
     by_op: dict[str, float]  # the same split by instruction kind (fusions by kind "fusion")
     loops: tuple[int | None, ...]  # trip counts of the `while` loops, in visiting order
+    by_category: dict[str, float] = dataclasses.field(default_factory=dict)  # sums to total (CATEGORIES)
+    overflow_per_trip: float = 0.0  # bytes one more trip of every data-dependent loop adds
+    overflow_trips: float = 1.0  # the trips the total charges them
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -86,25 +124,27 @@ def _fused_charges(fused: list[Instruction]) -> tuple[dict[int, float], float | 
     for name, index in params.items():
         uses = users.get(name, [])
         if uses and all(u.op in SLICING_OPS and operands(u)[:1] == [name] for u in uses):
-            charges[index] = sum(shape_bytes(u.shape) for u in uses)
+            charges[index] = sum(hbm_shape_bytes(u.shape) for u in uses)
     root = fused[-1] if fused else None
-    if root is None or root.op not in ("dynamic-update-slice", "tuple"):
+    if root is None or (root.op not in IN_PLACE_OPS and root.op != "tuple"):
         return charges, None
     # The root, or each element of a multi-output fusion's tuple root, that updates a parameter in
     # place writes only its update (and does not read the rest of the buffer).
-    outputs = [root] if root.op == "dynamic-update-slice" else [by_name.get(n) for n in operands(root)]
+    outputs = [root] if root.op in IN_PLACE_OPS else [by_name.get(n) for n in operands(root)]
     result, in_place = 0.0, False
     for output in outputs:
         if output is None:
             return charges, None  # an element the walk cannot see: charge the whole result
-        if output.op == "dynamic-update-slice":
-            target, update = operands(output)[:2]
+        if output.op in IN_PLACE_OPS:
+            names = operands(output)
+            target = names[0] if names else None
+            update = names[1] if output.op == "dynamic-update-slice" else (names[2] if len(names) > 2 else None)
             if target in params and update in by_name:
                 charges[params[target]] = 0.0
-                result += shape_bytes(by_name[update].shape)
+                result += hbm_shape_bytes(by_name[update].shape)
                 in_place = True
                 continue
-        result += shape_bytes(output.shape)
+        result += hbm_shape_bytes(output.shape)
     return charges, (result if in_place else None)
 
 
@@ -115,8 +155,8 @@ def instruction_bytes(instruction: Instruction, shapes: dict[str, str],
     if op in FREE_OPS or op in ASYNC_WRAPPERS:
         return 0.0
     names = operands(instruction)
-    operand_bytes = [shape_bytes(shapes.get(name, "")) for name in names]
-    result = shape_bytes(instruction.shape)
+    operand_bytes = [hbm_shape_bytes(shapes.get(name, "")) for name in names]
+    result = hbm_shape_bytes(instruction.shape)
     if op.endswith("-start"):
         return float(sum(operand_bytes))
     if op.endswith("-done"):
@@ -125,6 +165,11 @@ def instruction_bytes(instruction: Instruction, shapes: dict[str, str],
         return 2.0 * (operand_bytes[1] if len(operand_bytes) > 1 else 0.0)
     if op in ("dynamic-slice", "slice"):
         return 2.0 * result
+    if op == "gather":  # the gathered rows read, the indices read, the result written
+        return 2.0 * result + (operand_bytes[1] if len(operand_bytes) > 1 else 0.0)
+    if op == "scatter":  # indices and updates read, the updated rows written
+        indices, updates = (operand_bytes + [0.0, 0.0, 0.0])[1:3]
+        return indices + 2.0 * updates
     if op == "fusion":
         called = re.search(r"\bcalls=%([\w.\-]+)", instruction.rest)
         charges, in_place = _fused_charges(computations.get(called.group(1), [])) if called else ({}, None)
@@ -134,25 +179,52 @@ def instruction_bytes(instruction: Instruction, shapes: dict[str, str],
     return float(sum(operand_bytes)) + result
 
 
-def hbm_bytes(text: str) -> HbmTraffic:
-    """HBM bytes per execution of a compiled per-device HLO module (`compiled.as_text()`)."""
+def walk(text: str, overflow_trips: float = 1.0) -> list[Charge]:
+    """Every top-level instruction that moves bytes, with its category and executions per step."""
+    return _walk(text, overflow_trips)[0]
+
+
+def _walk(text: str, overflow_trips: float) -> tuple[list[Charge], list[int | None], float]:
+    """(charges, loop trip counts, bytes one more trip of the data-dependent loops adds)."""
     entry, computations = parse_module(text)
-    runs, trips = execution_counts(entry, computations)
+    runs, trips = execution_counts(entry, computations, overflow_trips)
+    one_more, _ = execution_counts(entry, computations, overflow_trips + 1.0)
+    dependent = data_dependent_computations(entry, computations)
     inner = set()  # fused computations and reducers: parts of one instruction, not program steps
     for instructions in computations.values():
         for instruction in instructions:
             inner.update(re.findall(r"\bto_apply=%([\w.\-]+)", instruction.rest))
             if instruction.op in ("fusion", "custom-call"):
                 inner.update(re.findall(r"\bcalls=%([\w.\-]+)", instruction.rest))
-    by_op: dict[str, float] = defaultdict(float)
+    out: list[Charge] = []
+    per_trip = 0.0
     for name, instructions in computations.items():
         times = runs.get(name, 0.0)
-        if not times or name in inner:
+        if name in inner or (not times and name not in dependent):
             continue
         shapes = {i.name: i.shape for i in instructions}
         for instruction in instructions:
             moved = instruction_bytes(instruction, shapes, computations)
-            if moved:
-                by_op[instruction.op] += times * moved
-    return HbmTraffic(total=float(sum(by_op.values())), by_op=dict(sorted(by_op.items())),
-                      loops=tuple(trips))
+            if not moved:
+                continue
+            label = op_name(instruction, computations)
+            category = (OVERFLOW if name in dependent
+                        else classify(kind_of(instruction, computations), label))
+            out.append(Charge(instruction.name, instruction.op, instruction.shape, label, category, times,
+                              moved, data_dependent=name in dependent))
+            per_trip += (one_more.get(name, 0.0) - times) * moved
+    return out, trips, per_trip
+
+
+def hbm_bytes(text: str, overflow_trips: float = 1.0) -> HbmTraffic:
+    """HBM bytes per execution of a compiled per-device HLO module (`compiled.as_text()`), loops of
+    data-dependent trip count run `overflow_trips` times."""
+    charges, trips, per_trip = _walk(text, overflow_trips)
+    by_op: dict[str, float] = defaultdict(float)
+    by_category = dict.fromkeys(CATEGORIES, 0.0)
+    for charge in charges:
+        by_op[charge.op] += charge.total
+        by_category[charge.category] += charge.total
+    return HbmTraffic(total=float(sum(by_category.values())), by_op=dict(sorted(by_op.items())),
+                      loops=tuple(trips), by_category=by_category, overflow_per_trip=per_trip,
+                      overflow_trips=overflow_trips)

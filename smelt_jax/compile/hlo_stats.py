@@ -150,11 +150,12 @@ def trip_count(instruction: Instruction, computations: dict[str, list[Instructio
     return _trip_count(computations.get(dict(_callees(instruction)).get("condition", ""), []))
 
 
-def execution_counts(entry: str, computations: dict[str, list[Instruction]]
+def execution_counts(entry: str, computations: dict[str, list[Instruction]], unknown_trips: float = 1.0
                      ) -> tuple[dict[str, float], list[int | None]]:
     """({computation: times it runs per execution of the module}, the trip count of every `while` in
-    visiting order). ENTRY runs once; a `while` body runs its trip count times (1 when unknown) and its
-    condition once more; fusions, calls, branches and async wrappers run as often as their caller."""
+    visiting order). ENTRY runs once; a `while` body runs its trip count times (`unknown_trips` when the
+    text does not state it) and its condition once more; fusions, calls, branches and async wrappers run
+    as often as their caller."""
     runs: dict[str, float] = defaultdict(float)
     trips: list[int | None] = []
 
@@ -171,11 +172,33 @@ def execution_counts(entry: str, computations: dict[str, list[Instruction]]
             for role, callee in callees:
                 factor = 1.0
                 if instruction.op == "while" and role in ("body", "condition"):
-                    factor = float(trip if trip is not None else 1) + (1.0 if role == "condition" else 0.0)
+                    factor = float(trip if trip is not None else unknown_trips) + (1.0 if role == "condition" else 0.0)
                 visit(callee, times * factor)
 
     visit(entry, 1.0)
     return runs, trips
+
+
+def data_dependent_computations(entry: str, computations: dict[str, list[Instruction]]) -> set[str]:
+    """Computations that run inside a `while` whose trip count the text does not state (neither
+    `known_trip_count` nor a constant bound): a loop whose length depends on the data, such as the MoE
+    exchange's overflow passes. `execution_counts` runs their bodies once per entry to the loop."""
+    found: set[str] = set()
+    seen: set[tuple[str, bool]] = set()
+
+    def visit(name: str, inside: bool) -> None:
+        if (name, inside) in seen:
+            return
+        seen.add((name, inside))
+        if inside:
+            found.add(name)
+        for instruction in computations.get(name, ()):
+            unknown = instruction.op == "while" and trip_count(instruction, computations) is None
+            for role, callee in _callees(instruction):
+                visit(callee, inside or (unknown and role in ("body", "condition")))
+
+    visit(entry, False)
+    return found
 
 
 def group_size(instruction: Instruction) -> int | None:

@@ -27,7 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from smelt_jax.compile.candidates import Candidate, SearchPolicy, candidates
+from smelt_jax.compile.breakdown import category_header, category_row
 from smelt_jax.compile.checkpoint_cadence import cadence_document, save_bytes
+from smelt_jax.compile.overflow import step_overflow_passes
 from smelt_jax.compile.report import (
     ANALYSIS_VERSION,
     CompileReport,
@@ -137,7 +139,8 @@ def complete_analysis(run: RunSpec, result: SearchResult, trace_fn: Callable[...
     devices = parse_slice(report.slice).chips
     conventional = report.conventional_flops or conventional_train_flops(
         run.model, run.schedule.tokens_per_step / devices)
-    report = analyse(report, by_kind, hlo_text, pallas_fill=fill, conventional_flops=conventional)
+    report = analyse(report, by_kind, hlo_text, pallas_fill=fill, conventional_flops=conventional,
+                     overflow_passes=step_overflow_passes(run, report.layout))
     report = dataclasses.replace(report, suite=run.suite, checkpoint_bytes=save_bytes(run))
     if report.flops_accounting is None:
         report = with_accounting(report, run, trace_fn)
@@ -321,7 +324,20 @@ def render_table(results: Iterable[SearchResult], command: str) -> str:
              f"< HBM, and arguments + temporaries <= {HBM_HEADROOM:.0%} of HBM.")
     lines = [intro, "", TABLE_HEADER]
     lines += [table_row(r) for r in results]
+    lines += ["", "**HBM GB walked by category** (per device per step; docs/roofline.md, `smelt compile ID "
+              "--breakdown` lists the largest instructions): the MoE overflow loop at its expected passes from "
+              "measured load, the worst case in brackets; the categories sum to the total.", "",
+              category_header()]
+    lines += [category_row(r.key, *_categories(r)) for r in results]
     return "\n".join(lines) + "\n"
+
+
+def _categories(result: SearchResult) -> tuple[dict[str, float] | None, float | None]:
+    r = result.report
+    if result.status != "fits" or r is None or r.hbm_by_category is None:
+        return None, None
+    worst = (r.overflow_passes_worst or 0) * (r.hbm_overflow_per_pass or 0.0)
+    return r.hbm_by_category, worst
 
 
 BEGIN = "<!-- compile-report:begin (generated; edit smelt_jax/compile/layout_search.py instead) -->"

@@ -36,7 +36,8 @@ import jax
 from smelt_jax import budget as budget_lib
 from smelt_jax import sharding
 from smelt_jax.compile import aot, checkpoint_cadence
-from smelt_jax.compile.hbm_traffic import hbm_bytes
+from smelt_jax.compile.overflow import step_overflow_passes
+from smelt_jax.compile.breakdown import Breakdown, TopRow, breakdown, format_breakdown
 from smelt_jax.compile.hlo_stats import COLLECTIVE_KINDS, EXCHANGE_KINDS, hlo_stats
 from smelt_jax.compile.program_flops import ProgramFlops, program_flops
 from smelt_jax.descriptors import Parallelism, RunSpec
@@ -95,6 +96,23 @@ class CompileReport:
     checkpoint_bytes: int | None = None  # one save: parameters + Adam state, whole model
     expert_exchange: str | None = None  # the exchange the program was compiled with (None: not recorded)
     suite: str | None = None  # the run's suite: its checkpoint interval (`checkpoint_cadence`)
+    # hbm_traffic_bytes by category (`walk_categories.CATEGORIES`; sums to it), the MoE overflow loop at
+    # `overflow_passes` (expected from measured load, `compile.overflow`), its worst case beside it
+    hbm_by_category: dict[str, float] | None = None
+    hbm_overflow_per_pass: float | None = None  # bytes one overflow pass adds (all layers, fwd + bwd)
+    overflow_passes: int | None = None
+    overflow_passes_worst: int | None = None
+    hbm_top: list[dict] | None = None  # the 25 largest instructions (`breakdown.TopRow` fields)
+
+    def breakdown(self) -> Breakdown | None:
+        """The walk's breakdown kept in this report (None before ANALYSIS_VERSION 4)."""
+        if self.hbm_by_category is None or self.hbm_traffic_bytes is None:
+            return None
+        return Breakdown(total=self.hbm_traffic_bytes, by_category=self.hbm_by_category,
+                         overflow_per_trip=self.hbm_overflow_per_pass or 0.0,
+                         overflow_passes=self.overflow_passes or 0,
+                         overflow_passes_worst=self.overflow_passes_worst or 0,
+                         top=tuple(TopRow(**row) for row in self.hbm_top or ()))
 
     @property
     def flops_ratio(self) -> float | None:
@@ -115,11 +133,13 @@ class CompileReport:
 
 
 # Bump when `analyse` derives its fields differently: cached reports are then re-analysed (no recompile).
-ANALYSIS_VERSION = 3  # 3: the HBM walk charges in-place updates in multi-output fusions their update
+ANALYSIS_VERSION = 4  # 3: the HBM walk charges in-place updates in multi-output fusions their update
+# 4: the walk by category; tile padding, VMEM buffers, gathers/scatters by rows; overflow at expected passes
 
 
 def analyse(report: CompileReport, program_flops_by_kind: dict[str, float] | None, hlo_text: str | None,
-            pallas_fill: float = 1.0, conventional_flops: float | None = None) -> CompileReport:
+            pallas_fill: float = 1.0, conventional_flops: float | None = None,
+            overflow_passes: tuple[int, int] = (1, 1)) -> CompileReport:
     """`report` with the program's FLOPs, the HBM traffic and executed collectives of its compiled HLO
     (when given), and the roofline step time with the two MFUs it implies.
 
@@ -127,7 +147,8 @@ def analyse(report: CompileReport, program_flops_by_kind: dict[str, float] | Non
     Pallas kernels enter at `pallas_fill` x their cost estimate: the estimate counts every row of the
     expert-parallel receive buffer, the kernels only compute the rows that carry tokens
     (`model.expert_exchange.buffer_fill`). `conventional_flops` (per device; default: the report's)
-    is the numerator of the conventional MFU (`conventional_train_flops`).
+    is the numerator of the conventional MFU (`conventional_train_flops`). `overflow_passes`
+    (expected, worst) is how often the walk charges the MoE overflow loop (`overflow.step_overflow_passes`).
 
     The step bound (docs/roofline.md): compute = program FLOPs / peak; HBM = walked bytes / HBM
     bandwidth; ICI = bytes sent per collective / the bandwidth of the torus axes its group spans. The
@@ -162,12 +183,16 @@ def analyse(report: CompileReport, program_flops_by_kind: dict[str, float] | Non
                                for kind, group, sent in stats.exchange_send_bytes_by_group)
         exposed = exchange_seconds * stats.exchange_exposed_bytes / exchange_raw if exchange_raw else 0.0
         ici = ici_seconds()
-        traffic = hbm_bytes(hlo_text).total
+        walked = breakdown(hlo_text, overflow_passes)
+        traffic = walked.total
         fields.update(collectives=stats.static_counts, executed_collectives=stats.collective_counts,
                       collective_bytes=stats.collective_bytes,
                       send_bytes=send, sparsecore_offloads=stats.sparsecore_offloads,
                       comm_seconds=ici, exchange_exposed_seconds=exposed,
                       hbm_traffic_bytes=traffic, hbm_seconds=traffic / tpu.hbm_bytes_per_second,
+                      hbm_by_category=walked.by_category, hbm_overflow_per_pass=walked.overflow_per_trip,
+                      overflow_passes=overflow_passes[0], overflow_passes_worst=overflow_passes[1],
+                      hbm_top=[dataclasses.asdict(row) for row in walked.top],
                       comm_seconds_ragged=None if ragged else
                       ici_seconds(filled=EXCHANGE_KINDS))
     report = dataclasses.replace(report, **fields, analysis_version=ANALYSIS_VERSION)
@@ -319,7 +344,8 @@ def compile_run(run: RunSpec, slice_name: str, layout: Parallelism | None = None
         compiled_flops=summary.flops, budget_flops=program.budget_flops,
         optimal_seconds=summary.optimal_seconds)
     report = analyse(report, summary.program_flops, hlo_text, pallas_fill=_pallas_fill(program, run),
-                     conventional_flops=program.conventional_flops)
+                     conventional_flops=program.conventional_flops,
+                     overflow_passes=step_overflow_passes(run, dict(program.mesh.shape)))
     return with_accounting(report, run, trace_program_flops)
 
 
@@ -385,8 +411,8 @@ def _first_line(err: Exception) -> str:
     return text.splitlines()[0][:300] if text else type(err).__name__
 
 
-def format_report(report: CompileReport) -> str:
-    """Human-readable lines for one compile."""
+def format_report(report: CompileReport, with_breakdown: bool = False) -> str:
+    """Human-readable lines for one compile; with the walk by category and its top instructions."""
     gib = lambda b: "?" if b is None else f"{b / 2**30:.2f} GiB"
     lines = [(f"{report.run_id} on {report.slice}, layout {report.layout}, remat {report.remat}, "
              f"experts {report.expert_impl}, exchange {report.expert_exchange}: compiled in {report.compile_seconds:.1f} s")]
@@ -409,7 +435,10 @@ def format_report(report: CompileReport) -> str:
                      f"{report.sparsecore_offloads} SparseCore offloads")
     if report.hbm_traffic_bytes is not None:
         lines.append(f"  HBM traffic walked from the HLO (operands + results of every top-level op, loops x "
-                     f"trip count): {report.hbm_traffic_bytes / 1e9:.1f} GB per device per step")
+                     f"trip count): {report.hbm_traffic_bytes / 1e9:.1f} GB per device per step"
+                     + ("" if report.overflow_passes is None else
+                        f" (MoE overflow loop at {report.overflow_passes} expected passes, worst case "
+                        f"{report.overflow_passes_worst}: --breakdown)"))
     if report.step_seconds is not None:
         exposed = report.exchange_exposed_seconds or 0.0
         lines.append(f"  roofline step >= {report.step_seconds:.4g} s = max(compute {report.compute_seconds:.4g} s, "
@@ -429,4 +458,7 @@ def format_report(report: CompileReport) -> str:
                      f"{every}")
     lines.append(f"  XLA optimal_seconds {report.optimal_seconds} (each loop body once, -1 per SparseCore "
                  "offload: not a step time)")
+    walked = report.breakdown() if with_breakdown else None
+    if walked is not None:
+        lines.append(format_breakdown(walked))
     return "\n".join(lines)
