@@ -46,8 +46,9 @@ ABLATION_SHAPES = {"r3": smelt_loop(nano.N_LAYERS, 3),
                    "span3": {"loop_start": middle_loop(nano.N_LAYERS, 3), "loop_length": 3, "loop_repeats": 2}}
 # The points nano already trained (variant -> nano arch at d64, branch index of the 4M horizon).
 ABLATION_FROM_NANO = {"r1": "baseline", "r2": "smelt"}
-# Filled by the pre-registered rule (docs/results-nano2.md) once C's seed-0 endpoints are in.
-SEED1_POINTS: tuple[str, ...] | None = None
+# The pre-registered rule (docs/results-nano2.md): the two looped points of C with the lowest seed-0 4M loss
+# (fits/nano2/ablations.md, 2026-12-04: span1 1.36333, r2 1.39166, span3 1.41267, r3 1.41298).
+SEED1_POINTS: tuple[str, ...] | None = ("span1", "r2")
 RATE_WIDTH, RATE_FACTOR = 96, 0.5
 
 

@@ -43,7 +43,7 @@ def _control(loop: float, gap: float = 0.08) -> list[dict]:
 
 def test_suite_models_are_the_registered_design():
     runs = {run.id: run for run in load_suite("nano2")}
-    assert len(runs) == 12
+    assert len(runs) == 14
     control = nano2.control_config(64)
     smelt = nano.smelt_config(64)
     # the control is SMELT's shape with every executed layer its own: same FLOPs and KV, 1.5x-ish params
