@@ -241,12 +241,12 @@ def write_chinchilla_fits(out_dir, n_draws: int = 4000, csv_path=None) -> list[P
                     "huber_grid_fit": grid.to_dict(), "n_points": len(loss)}
     coefficients = written.settle_bounds(coefficients, ChinchillaLaw)
     write_json(out_dir / "coefficients.json", coefficients)
-    published = CHINCHILLA_DEFINITION["epoch_published"]
+    published, ours = CHINCHILLA_DEFINITION["epoch_published"], written.rounded(coefficients)
     rows = []
-    for name in ChinchillaLaw.param_names:
-        rows.append({"parameter": name, "ours": float(getattr(epoch.law, name)), "epoch": published[name],
-                     "ours_se": ivals[name]["se"], "epoch_se": published["se"][name],
-                     "huber_grid": float(getattr(grid.law, name))})
+    for name in ChinchillaLaw.param_names:  # our values as written in coefficients.json
+        rows.append({"parameter": name, "ours": ours[name], "epoch": published[name],
+                     "ours_se": ours["intervals"][name]["se"], "epoch_se": published["se"][name],
+                     "huber_grid": ours["huber_grid_fit"][name]})
     return [out_dir / "fit.json", out_dir / "coefficients.json"] + tables.write_table(
         out_dir, "replication", rows, ["parameter", "ours", "epoch", "ours_se", "epoch_se", "huber_grid"],
         ["parameter", "ours", "Epoch", "ours SE", "Epoch SE", "Huber-sum grid fit"])

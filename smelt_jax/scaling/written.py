@@ -2,7 +2,8 @@
 fit's parameters at their bounds written as the bound, flagged, so that a change in a written file is a
 change in the result, not in the CPU's last bits.
 
-Significant digits written, per quantity (DIGITS; JSON through `rounded`, tables through tables.fmt):
+Significant digits written, per quantity (DIGITS by JSON key or table column: JSON and CSV through
+`rounded`; markdown and LaTeX through tables.fmt's formats):
 - coefficients (a law's parameters) and fit statistics (objective, RMSE, Epoch's sigma): 6. The L-BFGS
   stops at a relative objective change of 1e-12, which fixes the parameters to about sqrt(1e-12) = 1e-6
   relative; BFGS on Epoch's kinked objective ends no better.
