@@ -1,8 +1,14 @@
 """The end-to-end CPU run (`make demo`): train a suite locally, fit the scaling law per architecture,
-and write CE-gain tables and figures to `fits/<suite>/`.
+and write CE-gain tables and figures to `demo/<suite>/` (DEMO_ROOT, not under version control).
 
-    corpus -> local sweep (stable runs, decay branches, results store) -> fits/<suite>/results.csv
+    corpus -> local sweep (stable runs, decay branches, results store) -> demo/<suite>/results.csv
         -> smelt-law fit per arch (baseline/, smelt/) -> pair tables and figures
+
+The committed `fits/<suite>/` is the reference made on the maintainers' machine and is not overwritten:
+training runs in float32 with the CPU's own vector kernels and thread count, so a demo on another
+machine trains to endpoints that differ in their last digits, and everything fitted from them differs
+accordingly. The fit itself is machine-independent (smelt_jax/fit_isa.py): `make fits` refits the
+committed results.csv to the byte.
 
 Every step resumes: the corpus build verifies and keeps an existing corpus, the sweep skips finished
 jobs, and the fits are pure functions of `results.csv`, so a second `make demo` only refits.
@@ -12,6 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
+import subprocess
 import sys
 import time
 import warnings
@@ -20,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from smelt_jax.fit_isa import fit_command, fit_environment
 from smelt_jax.scaling.endpoints import export_table, fit_points
 from smelt_jax.train.metrics_log import latest_per_step, read_metrics
 
@@ -42,6 +51,9 @@ class DemoReport:
 
 # An endpoint must lie this far (nats) below the training loss at its fork to pass.
 ENDPOINT_TOLERANCE = 0.0
+
+DEMO_ROOT = Path("demo")  # where `make demo` writes (ignored by git)
+REFERENCE_ROOT = Path("fits")  # the committed reference fits
 
 
 def _fork_loss(metrics: list[dict], fork_step: int, window: int = 3) -> float | None:
@@ -83,12 +95,11 @@ def endpoint_checks(results: pd.DataFrame, root: Path | None = None) -> list[str
 
 
 def fit_and_report(out_dir: Path, include_custom: bool = False) -> DemoReport:
-    """Fit `out_dir/results.csv` per architecture and write the tables (scaling.pipeline.fit_suite_table,
-    the folder's bootstrap protocol); every degenerate, unidentified or failed fit is reported in the
-    returned report, never raised. Off-grid rows (config-file, --override) are left out, and counted in
-    the report, unless `include_custom`."""
-    from smelt_jax.scaling import health, io
-    from smelt_jax.scaling.pipeline import fit_suite_table, gain_report, off_grid_rows
+    """Fit `out_dir/results.csv` per architecture in this process and write the tables
+    (scaling.pipeline.fit_suite_table, the folder's bootstrap protocol); every degenerate, unidentified or
+    failed fit is reported in the returned report, never raised. Off-grid rows (config-file, --override)
+    are left out, and counted in the report, unless `include_custom`."""
+    from smelt_jax.scaling.pipeline import fit_suite_table, off_grid_rows
 
     report = DemoReport()
     left_out = 0 if include_custom else off_grid_rows(out_dir)
@@ -102,11 +113,38 @@ def fit_and_report(out_dir: Path, include_custom: bool = False) -> DemoReport:
         except ValueError as err:  # a table the law cannot be fitted to (too few or invalid points)
             report.warnings.append(f"no fit: {err}")
             return report
+    report.warnings += fit_warnings(out_dir)
+    return report
+
+
+def fit_warnings(out_dir: Path) -> list[str]:
+    """The health checks (scaling.health) of a fitted suite folder's two fits and their CE gains."""
+    from smelt_jax.scaling import health, io
+    from smelt_jax.scaling.pipeline import gain_report
+
+    found = []
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
         for arch in ("baseline", "smelt"):
-            report.warnings += health.assess_fit(io.load_coefficients(out_dir / arch))
+            found += health.assess_fit(io.load_coefficients(out_dir / arch))
         pair = json.loads((out_dir / "pair.json").read_text())
         rows = gain_report(out_dir / "baseline", out_dir / "smelt", pair["compute"], pair["sparsity"])
-        report.warnings += health.assess_gains(rows)
+        found += health.assess_gains(rows)
+    return found
+
+
+def fit_in_pinned_process(out_dir: Path) -> DemoReport:
+    """`fit_and_report` run as `smelt fit-suite` in a fresh process whose CPU kernels are pinned
+    (smelt_jax/fit_isa.py): this process has loaded JAX for training, too late to pin it."""
+    done = subprocess.run(fit_command("fit-suite", str(out_dir)), env=fit_environment(),
+                          capture_output=True, text=True, check=False)
+    report = DemoReport()
+    if done.returncode != 0:
+        why = (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
+        report.warnings.append(f"no fit: {why.removeprefix('smelt: error: ').removeprefix('no fit: ')}")
+        return report
+    report.paths = [Path(line) for line in done.stdout.splitlines() if line and Path(line).is_file()]
+    report.warnings += fit_warnings(out_dir)
     return report
 
 
@@ -117,7 +155,7 @@ def run_demo(suite: str = "smoke", out_dir: Path | None = None, *, parallel: int
     from smelt_jax.rundir import results_dir
     from smelt_jax.sweep.local import SweepError, run_suite_locally
 
-    out_dir = Path(out_dir or Path("fits") / suite)
+    out_dir = Path(out_dir or DEMO_ROOT / suite)
     started = time.time()
     print("[demo] 1/3 corpus (fetched and built once, then verified) ...", file=sys.stderr, flush=True)
     build_corpus(progress=progress, accept_digest=accept_digest)
@@ -131,6 +169,9 @@ def run_demo(suite: str = "smoke", out_dir: Path | None = None, *, parallel: int
     results = read_results(results_dir(suite))
     report.warnings += endpoint_checks(results)
     out_dir.mkdir(parents=True, exist_ok=True)
+    reference = REFERENCE_ROOT / suite
+    if (reference / "fit.json").exists() and not (out_dir / "fit.json").exists():  # the suite's protocol
+        shutil.copyfile(reference / "fit.json", out_dir / "fit.json")
     export_table(results).to_csv(out_dir / "results.csv", index=False, float_format="%.8g")
     points = fit_points(results)
     print(f"[demo] 3/3 fitting {len(points)} endpoints per-architecture and writing tables ...",
@@ -138,13 +179,15 @@ def run_demo(suite: str = "smoke", out_dir: Path | None = None, *, parallel: int
     if points.empty:
         report.warnings.append(f"suite {suite!r} has no sparse endpoints to fit")
     else:
-        fitted = fit_and_report(out_dir)
+        fitted = fit_in_pinned_process(out_dir)
         report.warnings += fitted.warnings
         report.paths = fitted.paths
     report.notes.append(identifiability_note(points) if not points.empty else "no endpoints")
     (out_dir / "README.md").write_text(
-        f"# fits/{suite}\n\nRegenerated by `make demo` (smelt_jax.demo) from the `{suite}` suite's "
-        "endpoints (`results.csv`) and by `make fits` from that file.\n\n" + report.text())
+        f"# {out_dir}\n\nWritten by `make demo` (smelt_jax.demo) on this machine from the `{suite}` suite's "
+        f"endpoints (`results.csv`). The committed reference is {reference}/ (`make fits` refits it from "
+        "its results.csv to the byte); training numbers differ across CPUs in their last digits, so the "
+        "numbers here differ from it accordingly.\n\n" + report.text())
     print(f"[demo] done in {time.time() - started:.0f} s. Tables and figures in {out_dir}/:")
     for path in sorted(set(report.paths)):
         print(f"  {path}")

@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 
 from experiments import find_run
-from smelt_jax.demo import endpoint_checks, fit_and_report
+from smelt_jax.demo import endpoint_checks, fit_and_report, fit_in_pinned_process
 from smelt_jax.rundir import run_dir
 from smelt_jax.scaling import health
 
@@ -68,6 +68,10 @@ def test_table_that_cannot_be_fitted_is_reported(tmp_path):
     (tmp_path / "fit.json").write_text('{"bootstrap_draws": 0}')
     report = fit_and_report(tmp_path)
     assert len(report.warnings) == 1 and report.warnings[0].startswith("no fit:")
+    pinned = fit_in_pinned_process(tmp_path)  # the demo's fit step: `smelt fit-suite` in a fresh process
+    assert len(pinned.warnings) == 1 and pinned.paths == []
+    assert pinned.warnings[0].startswith("no fit:") and pinned.warnings[0].endswith("3 rows is too few to fit "
+                                                                                  "the 6 parameters of the smelt law (need more than 6)")
 
 
 def test_assess_fit_names_each_problem():

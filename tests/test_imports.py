@@ -27,6 +27,7 @@ LAYERS: dict[str, int] = {
     "hardware": 0,
     "paths": 0,
     "platform": 0,
+    "fit_isa": 0,  # the CPU kernels a fit process is pinned to (the same bits on every x86 CPU)
     "sharding": 0,
     "descriptors": 0,
     "matching": 0,

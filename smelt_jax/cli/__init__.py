@@ -18,6 +18,7 @@ import warnings
 
 from smelt_jax.errors import SmeltError
 from smelt_jax.exit_codes import USER_ERROR
+from smelt_jax.fit_isa import FIT_COMMANDS, pin_this_process
 from smelt_jax.platform import pin_cpu_without_accelerator
 
 
@@ -86,6 +87,9 @@ def _describe_commands(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    given = sys.argv[1:] if argv is None else argv
+    if given and given[0] in FIT_COMMANDS:
+        pin_this_process()  # before NumPy and JAX load: the same bits on every CPU (smelt_jax/fit_isa.py)
     pin_cpu_without_accelerator()
     import experiments  # noqa: F401 — the suites fill the library's registry (smelt_jax.suites)
     parser = build_parser()

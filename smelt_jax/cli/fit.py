@@ -44,7 +44,7 @@ def _fit(args) -> int:
 
 
 def _gain(args) -> int:
-    from smelt_jax.scaling import pipeline, tables
+    from smelt_jax.scaling import pipeline, tables, written
 
     sparsities = _finite(args.sparsity, "sparsity")
     if any(not 0 <= s < 1 for s in sparsities):
@@ -54,7 +54,7 @@ def _gain(args) -> int:
         raise CliError(f"--compute values must be positive FLOP counts, got {' '.join(map(str, computes))}")
     rows = pipeline.gain_report(args.reference, args.target, computes, sparsities)
     if args.json:
-        print(json.dumps(pipeline._round(rows), indent=2, sort_keys=True))
+        print(json.dumps(written.rounded(rows), indent=2, sort_keys=True))
     else:
         columns, headers = tables.gain_columns(rows)
         print(tables.to_markdown(rows, columns, headers), end="")
@@ -89,7 +89,7 @@ def _fit_suite(args) -> int:
 def _fits_all(args) -> int:
     from smelt_jax.scaling import pipeline
 
-    for path in pipeline.fits_all(args.fits_dir, chinchilla_draws=args.chinchilla_draws):
+    for path in pipeline.fits_all(args.fits_dir, chinchilla_draws=args.chinchilla_draws, only=args.only):
         print(path)
     return 0
 
@@ -145,8 +145,13 @@ def register(subparsers) -> None:
     p.set_defaults(handler=_fit_suite)
 
     p = subparsers.add_parser("fits-all", help="regenerate everything under fits/ deterministically",
-                              description="fits/paper (published coefficients -> CE gains, TPP) and "
-                                          "fits/chinchilla (Epoch AI replication with bootstrap SEs).")
+                              description="fits/paper (published coefficients -> CE gains, TPP), "
+                                          "fits/chinchilla (Epoch AI replication with bootstrap SEs) and "
+                                          "every fits/SUITE holding a results.csv (as fit-suite). Fits "
+                                          "run with the CPU's kernels capped at AVX2 (smelt_jax/fit_isa.py), "
+                                          "so every x86 machine writes the same bytes.")
     p.add_argument("--fits-dir", default="fits", help="output folder (default fits/)")
     p.add_argument("--chinchilla-draws", type=int, default=4000, help="bootstrap draws for the Chinchilla SEs")
+    p.add_argument("--only", nargs="+", metavar="FOLDER",
+                   help="regenerate only these folders of FITS_DIR (paper, chinchilla, or a suite folder)")
     p.set_defaults(handler=_fits_all)

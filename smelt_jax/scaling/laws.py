@@ -53,12 +53,10 @@ class SmeltLaw:
     columns: ClassVar[tuple[str, ...]] = ("F", "S", "D")
 
     def __post_init__(self):
-        # E, A, K >= 0: a fit whose log-coefficient runs off to -inf (data that cannot identify that
-        # term) lands on exactly 0, the term switched off; scaling/health.py reports it.
-        for name in ("E", "A", "K"):
+        # E, A, K, a, c >= 0: a fit whose log-parameter runs off to -inf (data that cannot identify
+        # that term) is written at the bound 0 (scaling/written.py); scaling/health.py reports it.
+        for name in ("E", "A", "K", "a", "c"):
             _non_negative(name, getattr(self, name))
-        for name in ("a", "c"):
-            _positive(name, getattr(self, name))
         if not np.isfinite(self.b):
             raise UsageError(f"b must be finite, got {self.b!r}")
 
@@ -108,8 +106,9 @@ class SmeltLaw:
         return self.A * (1.0 - np.asarray(S, float)) ** self.b
 
     def gamma(self) -> float:
-        """Frontier exponent a c / (a + c)."""
-        return self.a * self.c / (self.a + self.c)
+        """Frontier exponent a c / (a + c) (a NumPy float: 0 or NaN, not an error, at a bound)."""
+        with np.errstate(invalid="ignore"):
+            return np.float64(self.a) * self.c / (np.float64(self.a) + self.c)
 
     def optimal_flops_per_token(self, C, S):
         """F*(C, S) = (a A (1-S)^b C^c / (c K))^(1/(a+c))."""

@@ -18,29 +18,14 @@ import pandas as pd
 
 from smelt_jax import paper
 from smelt_jax.errors import MissingInput, UsageError
-from smelt_jax.scaling import bootstrap, endpoints, fit, gains, health, io, nano2_report, preregistered, tables
+from smelt_jax.scaling import bootstrap, endpoints, fit, gains, health, io, nano2_report, preregistered, tables, written
 from smelt_jax.scaling.laws import LAWS, ChinchillaLaw, SmeltLaw
-
-
-def _round(value, digits: int = 8):
-    """Round floats to `digits` significant digits (recursively) so JSON diffs show only real changes."""
-    if isinstance(value, dict):
-        return {k: _round(v, digits) for k, v in sorted(value.items())}
-    if isinstance(value, (list, tuple)):
-        return [_round(v, digits) for v in value]
-    if isinstance(value, (float, np.floating)):
-        return float(f"{float(value):.{digits}g}")
-    if isinstance(value, np.integer):
-        return int(value)
-    if isinstance(value, np.bool_):
-        return bool(value)
-    return value
 
 
 def write_json(path, data) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(_round(data), indent=2, sort_keys=True) + "\n")
+    path.write_text(json.dumps(written.rounded(data), indent=2, sort_keys=True) + "\n")
     return path
 
 
@@ -67,7 +52,7 @@ def fit_table(table: pd.DataFrame, law_name: str, *, method: str = "huber", n_bo
                                         np.asarray(result.raw), n_draws=n_bootstrap, seed=seed)
         coefficients["intervals"] = boot["intervals"]
         coefficients["bootstrap"] = {k: boot[k] for k in ("n_draws", "n_converged", "n_cells", "seed")}
-    return coefficients, boot
+    return written.settle_bounds(coefficients, law), boot
 
 
 def read_input(path) -> pd.DataFrame:
@@ -256,13 +241,14 @@ def write_chinchilla_fits(out_dir, n_draws: int = 4000, csv_path=None) -> list[P
     coefficients = {**epoch.to_dict(), "intervals": ivals,
                     "bootstrap": {"n_draws": n_draws, "n_converged": int(boot["converged"].sum()), "seed": 42},
                     "huber_grid_fit": grid.to_dict(), "n_points": len(loss)}
+    coefficients = written.settle_bounds(coefficients, ChinchillaLaw)
     write_json(out_dir / "coefficients.json", coefficients)
-    published = CHINCHILLA_DEFINITION["epoch_published"]
+    published, ours = CHINCHILLA_DEFINITION["epoch_published"], written.rounded(coefficients)
     rows = []
-    for name in ChinchillaLaw.param_names:
-        rows.append({"parameter": name, "ours": float(getattr(epoch.law, name)), "epoch": published[name],
-                     "ours_se": ivals[name]["se"], "epoch_se": published["se"][name],
-                     "huber_grid": float(getattr(grid.law, name))})
+    for name in ChinchillaLaw.param_names:  # our values as written in coefficients.json
+        rows.append({"parameter": name, "ours": ours[name], "epoch": published[name],
+                     "ours_se": ours["intervals"][name]["se"], "epoch_se": published["se"][name],
+                     "huber_grid": ours["huber_grid_fit"][name]})
     return [out_dir / "fit.json", out_dir / "coefficients.json"] + tables.write_table(
         out_dir, "replication", rows, ["parameter", "ours", "epoch", "ours_se", "epoch_se", "huber_grid"],
         ["parameter", "ours", "Epoch", "ours SE", "Epoch SE", "Huber-sum grid fit"])
@@ -537,12 +523,31 @@ def write_endpoint_tables(out_dir, results: pd.DataFrame) -> list[Path]:
     return paths
 
 
-def fits_all(root="fits", chinchilla_draws: int = 4000) -> list[Path]:
-    """Every fit under `root`: the paper's, the Chinchilla replication, and each trained suite's
-    `<suite>/results.csv` (written by `make demo` / smelt_jax.demo)."""
+def fit_folders(root="fits") -> list[str]:
+    """The folders `fits-all` writes, in order: the paper's, the Chinchilla replication, then every trained
+    suite folder holding a results.csv (a new suite is picked up by adding fits/<suite>/results.csv)."""
+    suites = [table.parent.name for table in sorted(Path(root).glob("*/results.csv"))
+              if not table.parent.name.startswith(".")]  # a staging folder left by a killed fit-suite
+    return ["paper", "chinchilla", *suites]
+
+
+def fits_all(root="fits", chinchilla_draws: int = 4000, only=None) -> list[Path]:
+    """Every fit under `root` (`fit_folders`; only those named in `only` when given): the paper's, the
+    Chinchilla replication, and each trained suite's `<suite>/results.csv` (`make demo` writes one
+    under demo/)."""
     root = Path(root)
-    paths = write_paper_fits(root / "paper") + write_chinchilla_fits(root / "chinchilla", chinchilla_draws)
-    for table in sorted(root.glob("*/results.csv")):
-        if not table.parent.name.startswith("."):  # a staging folder left by a killed fit-suite
-            paths += fit_suite_table(table.parent)
+    folders = fit_folders(root)
+    unknown = sorted(set(only or ()) - set(folders))
+    if unknown:
+        raise UsageError(f"{root}: no fit folder(s) {unknown}; found {folders}")
+    paths = []
+    for name in folders:
+        if only and name not in only:
+            continue
+        if name == "paper":
+            paths += write_paper_fits(root / name)
+        elif name == "chinchilla":
+            paths += write_chinchilla_fits(root / name, chinchilla_draws)
+        else:
+            paths += fit_suite_table(root / name)
     return paths

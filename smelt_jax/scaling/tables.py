@@ -1,6 +1,7 @@
 """Tables (markdown, CSV, LaTeX) and figures (PNG, PDF; matplotlib Agg) from fits and CE-gain rows.
 
-Deterministic output: rows sorted, floats written with fixed formats, figure metadata dates removed.
+Deterministic output: rows sorted, floats written with fixed formats (CSV: at the precision of
+scaling/written.py), figure metadata dates removed.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from smelt_jax.scaling import written
 from smelt_jax.scaling.gains import ce_gain, fitted_compute_range
 
 # fixed formats per column kind, so regenerated files diff only on real changes
@@ -52,7 +54,8 @@ def to_csv(rows: list[dict], columns: list[str]) -> str:
     writer.writerow(columns)
     for row in rows:
         writer.writerow([fmt(row.get(c, ""), c).replace("%", "") if c in FORMATS else
-                         (repr(float(row[c])) if isinstance(row.get(c), float) else row.get(c, ""))
+                         (repr(written.rounded(float(row[c]), key=c)) if isinstance(row.get(c), float)
+                          else row.get(c, ""))
                          for c in columns])
     return buffer.getvalue()
 
