@@ -101,31 +101,40 @@ def exchanged_moe_outputs(tokens: jax.Array, plan: Dispatch, router_weights: jax
     by the `expert` axis of `mesh`, an AbstractMesh or Mesh) -> y [T, d] in the tokens' dtype: the
     weighted sum of each token's expert outputs (dropped copies count 0). slack: the first pass's rows per
     destination over the balanced load (None: the worst case); the result does not depend on it."""
+    top_k = plan.expert_ids.shape[1]
+    axes = token_axes(mesh)
+    return run_sharded(lambda *a: _exchange_and_combine(*a, top_k=top_k, impl=backend, ragged=ragged,
+                                                        slack=slack, axes=axes),
+                       tokens, plan, router_weights, (w_gate, w_up, w_down), mesh=mesh)
+
+
+def run_sharded(body, tokens: jax.Array, plan: Dispatch, router_weights: jax.Array, expert_weights, *,
+                mesh) -> jax.Array:
+    """The frame every expert-parallel exchange shares: checks that the experts [E, ...] split over the
+    `expert` axis, pads tokens [T, d], expert ids and kept flags [T, k] and router weights [T, k] (float32)
+    to a multiple of the token shards (padding tokens keep no copy), runs
+    `body(tokens, ids, kept, router, w_gate, w_up, w_down)` per device in a shard_map (tokens split over
+    `token_axes(mesh)`, experts over `expert`, weights cast to the tokens' dtype) and cuts the padding off
+    its [T_local, d] result."""
     n_ep = mesh.shape[EXPERT_AXIS]
-    n_experts = w_gate.shape[0]
+    n_experts = expert_weights[0].shape[0]
     if n_experts % n_ep:
         raise UsageError(f"{n_experts} experts do not split over expert axis of size {n_ep}; choose a --layout "
                          "expert size that divides the expert count")
     total = tokens.shape[0]
-    top_k = plan.expert_ids.shape[1]
     axes = token_axes(mesh)
     shards = 1
     for axis in axes:
         shards *= mesh.shape[axis]
     pad = -total % shards  # odd token counts: padding tokens send nothing and are cut off after
-    tokens_p = jnp.pad(tokens, ((0, pad), (0, 0)))
-    ids_p = jnp.pad(plan.expert_ids, ((0, pad), (0, 0)))
-    kept_p = jnp.pad(plan.kept, ((0, pad), (0, 0)))
-    router_p = jnp.pad(router_weights.astype(jnp.float32), ((0, pad), (0, 0)))
-    weights = [w.astype(tokens.dtype) for w in (w_gate, w_up, w_down)]
+    padded = [jnp.pad(a, ((0, pad), (0, 0))) for a in
+              (tokens, plan.expert_ids, plan.kept, router_weights.astype(jnp.float32))]
+    weights = [w.astype(tokens.dtype) for w in expert_weights]
     token_spec = P(axes if axes else None)
     expert_spec = P(EXPERT_AXIS)
-    body = jax.shard_map(
-        lambda *a: _exchange_and_combine(*a, top_k=top_k, impl=backend, ragged=ragged, slack=slack,
-                                         axes=axes),
-        mesh=mesh, in_specs=(token_spec, token_spec, token_spec, token_spec, expert_spec, expert_spec,
-                             expert_spec),
+    sharded = jax.shard_map(
+        body, mesh=mesh, in_specs=(token_spec,) * 4 + (expert_spec,) * 3,
         # Pallas kernels declare output shapes without varying-manual-axes types, which check_vma
         # rejects ("manual_axis_type ... must not be None"); the body's collectives are explicit.
         out_specs=token_spec, check_vma=False)
-    return body(tokens_p, ids_p, kept_p, router_p, *weights)[:total]
+    return sharded(*padded, *weights)[:total]

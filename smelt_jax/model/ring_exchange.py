@@ -36,13 +36,11 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 
-from smelt_jax.errors import UsageError
 from smelt_jax.kernels.backend import EXPERT_AXIS
 from smelt_jax.kernels.experts import expert_ffn
 from smelt_jax.model.dispatch import Dispatch, argsort_small_keys
-from smelt_jax.model.expert_exchange import token_axes
+from smelt_jax.model.expert_exchange import run_sharded
 from smelt_jax.model.moe_buffers import overflow_rows, round_up, rows_per_destination, worst_case_rows
 
 __all__ = ["RING_SCOPE", "ring_expert_outputs", "ring_fill", "ring_rows"]
@@ -164,25 +162,6 @@ def ring_expert_outputs(tokens: jax.Array, plan: Dispatch, router_weights: jax.A
     by `mesh`'s `expert` axis) -> y [T, d] float32 in value (rounded to the compute dtype): the weighted
     sum of each token's kept expert outputs. slack: first-pass rows over the expected load (None: the
     worst case); the result does not depend on it."""
-    n_ep = mesh.shape[EXPERT_AXIS]
-    n_experts = w_gate.shape[0]
-    if n_experts % n_ep:
-        raise UsageError(f"{n_experts} experts do not split over expert axis of size {n_ep}; choose a --layout "
-                         "expert size that divides the expert count")
-    total = tokens.shape[0]
     top_k = plan.expert_ids.shape[1]
-    axes = token_axes(mesh)
-    shards = 1
-    for axis in axes:
-        shards *= mesh.shape[axis]
-    pad = -total % shards  # odd token counts: padding tokens keep no copy and are cut off after
-    padded = [jnp.pad(a, ((0, pad), (0, 0))) for a in (tokens, plan.expert_ids, plan.kept, router_weights)]
-    weights = [w.astype(tokens.dtype) for w in (w_gate, w_up, w_down)]
-    token_spec = P(axes if axes else None)
-    expert_spec = P(EXPERT_AXIS)
-    body = jax.shard_map(
-        lambda *a: _ring_body(*a, top_k=top_k, impl=backend, slack=slack),
-        mesh=mesh, in_specs=(token_spec,) * 4 + (expert_spec,) * 3,
-        # Pallas kernels declare outputs without varying-manual-axes types (see expert_exchange).
-        out_specs=token_spec, check_vma=False)
-    return body(*padded, *weights)[:total].astype(jnp.float32)
+    return run_sharded(lambda *a: _ring_body(*a, top_k=top_k, impl=backend, slack=slack),
+                       tokens, plan, router_weights, (w_gate, w_up, w_down), mesh=mesh).astype(jnp.float32)
