@@ -29,6 +29,7 @@ NOT_A_PATH = {
     (ModelConfig, "attention_impl"): "one of kernels.backend.ATTENTION_IMPLS",
     (Parallelism, "tpu_type"): "a TPU type, matched against hardware.py's table",
     (Parallelism, "remat"): "one of config.REMAT_POLICIES",
+    (Parallelism, "exchange"): "one of kernels.backend.EXPERT_EXCHANGES",
 }
 
 

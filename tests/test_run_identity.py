@@ -107,17 +107,18 @@ def test_eval_and_analyze_read_the_recorded_store_unless_told_otherwise(tmp_path
     from smelt_jax.data.corpus import open_dataset
 
     a, b = stores
-    spec = tmp_path / "run.json"
-    spec.write_text(json.dumps({"id": "r", "data": run_data.describe(a)}))
-    assert run_data.evaluation_data("r", spec, data_dir=None, open_store=open_dataset).root == a.root
+    run = tiny_run()
+    spec = saved_run(tmp_path / "runs", run, data=run_data.describe(a))  # run.json as a trainer writes it
+    assert run_data.evaluation_data(run.id, spec, data_dir=None, open_store=open_dataset).root == a.root
     assert capsys.readouterr().err == ""
     # another store is allowed for evaluation, and said once, naming both
-    assert run_data.evaluation_data("r", spec, data_dir=b.root, open_store=open_dataset).root == b.root
+    assert run_data.evaluation_data(run.id, spec, data_dir=b.root, open_store=open_dataset).root == b.root
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and a.digest[:12] in err and b.digest[:12] in err
     # nothing recorded: the given store, or the embedded default (open_store(None))
-    spec.write_text(json.dumps({"id": "r"}))
-    assert run_data.evaluation_data("r", spec, data_dir=None, open_store=lambda path: path or "default") == "default"
+    spec = saved_run(tmp_path / "runs", run)
+    assert run_data.evaluation_data(run.id, spec, data_dir=None,
+                                    open_store=lambda path: path or "default") == "default"
 
 
 def test_an_old_run_without_a_record_is_not_checked(tmp_path, stores, capsys, monkeypatch):

@@ -317,11 +317,12 @@ def train(run: RunSpec, branch: int | None = None, *, root: Path | None = None, 
     lr_lib.phase_steps(run.schedule, branch)  # a bad branch fails before anything is written
     from smelt_jax.memory_estimate import check_fits
     layout = parallelism if parallelism is not None else run.parallelism
-    check_fits(run, options.devices or jax.device_count(), device_bytes(), layout.remat)  # DoesNotFit: one line
     with StopSignal() as stop:
         corpus, data = run_data.data_for_run(run.id, run_dir(run.suite, run.id, root).spec_file, corpus=corpus,
                                              data_dir=data_dir, open_store=_open_store)
         run.check_data(corpus.tokenizer, f"the data at {getattr(corpus, 'root', '(in memory)')}")
+        # then the memory (DoesNotFit: one line): wrong data is the more specific refusal
+        check_fits(run, options.devices or jax.device_count(), device_bytes(), layout.remat)
         phase = _Phase(run, branch, root, corpus, options, parallelism, stop, data)
         if not phase.is_writer:
             return _run_phase(phase)
