@@ -68,9 +68,9 @@ def value_problem(kind: str, value) -> str | None:
         ok = isinstance(value, (list, tuple)) and all(value_problem("int", v) is None for v in value)
         return None if ok else "a list of integers"
     raise ValueError(f"unknown kind {kind!r}")
-# The expert exchange's first-pass rows over the balanced load (docs/moe-buffers.md: chosen from the
-# measured imbalance and the overflow passes' cost; 1.5 until issue 41).
-EXPERT_BUFFER_SLACK = 2.5
+# The expert exchange's first-pass rows over the balanced load (docs/moe-buffers.md "The default": 2.5 was
+# tried in issue 41 and compiled slower than 1.5 for the 100M S95 pair, ring and padded alike).
+EXPERT_BUFFER_SLACK = 1.5
 # Fields added after the first spec files were written: left out of `to_dict` while they hold these
 # defaults, so older spec files, layout-cache keys and golden files read the same.
 _OMITTED_WHEN_DEFAULT = {"expert_exchange": "auto", "attention_impl": "auto",
