@@ -22,6 +22,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+import experiments
 from smelt_jax import paper
 from smelt_jax.results import TABLE_NAME, EndpointResult
 from smelt_jax.sweep import base
@@ -128,12 +129,13 @@ def test_placeholder_checker_catches_a_real_project():
 
 def seed_results(runs_root: Path) -> None:
     """A smelt16 results store with synthetic endpoints from the paper's laws (what `smelt results
-    collect` leaves after a sweep): 2 scales x 3 sparsities x 3 horizons per architecture."""
+    collect` leaves after a sweep of the suite's own runs): 2 scales x 3 sparsities x 3 horizons per architecture."""
+    grid = {(r.scale, r.sparsity_label, r.arch): r.id for r in experiments.load_suite("smelt16")}
     rows = []
     for arch, law in (("baseline", paper.BASELINE_LAW), ("smelt", paper.SMELT_LAW)):
         for scale, flops in (("100m", 6.0e8), ("200m", 1.24e9)):
             for label, sparsity in (("s85", 0.85), ("s95", 0.95), ("s97", 0.97)):
-                run_id = f"smelt16-{scale}-{label}-{arch}-synthetic"
+                run_id = grid[scale, label, arch]  # the suite's own runs, as a sweep's store holds them
                 for branch, tokens in enumerate((20.5e9, 62.4e9, 215.6e9)):
                     rows.append(EndpointResult(
                         run_id=run_id, branch=branch, pair_id=f"{scale}-{label}", suite="smelt16", arch=arch,
