@@ -151,7 +151,6 @@ def _variant_rows(results: pd.DataFrame, variant: str) -> pd.DataFrame:
 
 def ablations(nano2: pd.DataFrame, nano: pd.DataFrame) -> pd.DataFrame:
     """C: the 4M loss of each point, seeds 0 and 1 where run, and its difference to r1 (seed 0)."""
-    tables = {"nano": nano, "nano2": nano2}
     rows = []
     for variant, (suite, pair, arch) in ABLATION_POINTS.items():
         if suite == "nano":
@@ -159,7 +158,7 @@ def ablations(nano2: pd.DataFrame, nano: pd.DataFrame) -> pd.DataFrame:
         else:
             seed0 = endpoint(_variant_rows(nano2, variant), pair, arch, 4e6)
         arch1 = "baseline" if variant == "r1" else "looped"
-        seed1 = endpoint(_variant_rows(tables["nano2"], f"{variant}.seed1"), "nano2-ablations-seed1", arch1, 4e6)
+        seed1 = endpoint(_variant_rows(nano2, f"{variant}.seed1"), "nano2-ablations-seed1", arch1, 4e6)
         rows.append({"point": variant, "loss_seed0": seed0, "loss_seed1": seed1})
     out = pd.DataFrame(rows)
     out["minus_r1"] = out["loss_seed0"] - float(out.set_index("point").loc["r1", "loss_seed0"])
