@@ -206,7 +206,8 @@ def write_paper_fits(out_dir) -> list[Path]:
         rows.append({"C": row["C"], "S": row["S"], "ours": f"{100 * row['ce_gain']:.2f}",
                      "paper": f"{published:.1f} [{lo}, {hi}]",
                      "diff_pp": f"{100 * row['ce_gain'] - published:+.2f}",
-                     "tpp_ours": f"{row['tpp_reference']:.1f} / {row['tpp_target']:.1f}",
+                     "tpp_ours": f"{tables.fmt(row['tpp_reference'], 'tpp_reference')} / "
+                                 f"{tables.fmt(row['tpp_target'], 'tpp_target')}",
                      "tpp_paper": f"{tpp[0]} / {tpp[1]}" if tpp else "-"})
     return paths + tables.write_table(
         out_dir, "paper_comparison", rows, ["C", "S", "ours", "paper", "diff_pp", "tpp_ours", "tpp_paper"],
@@ -411,8 +412,9 @@ def _preregistered_into(folder: Path, results: pd.DataFrame, protocol: dict) -> 
         fitted = preregistered.fit_fd(points, n_draws=protocol["bootstrap_draws"], seed=protocol["seed"])
         fits[arch], verdicts[arch] = fitted, preregistered.verdict(fitted)
         points.insert(0, "arch", arch)
-        points["predicted"] = fitted["law"].predict(points["N"], points["D"])
-        points["residual"] = points["loss"] - points["predicted"]
+        predicted = fitted["law"].predict(points["N"], points["D"])
+        points["predicted"] = predicted.round(written.PREDICTION_DECIMALS)
+        points["residual"] = (points["loss"] - predicted).round(written.PREDICTION_DECIMALS)
         all_points.append(points)
         (folder / arch).mkdir(exist_ok=True)
         write_json(folder / arch / "coefficients.json",

@@ -17,7 +17,7 @@ import numpy as np
 import pandas as pd
 
 from smelt_jax.errors import UsageError
-from smelt_jax.scaling import bootstrap, fit
+from smelt_jax.scaling import bootstrap, fit, written
 from smelt_jax.scaling.laws import ChinchillaLaw
 
 # The criteria, as written before the runs (docs/results-nano.md).
@@ -45,6 +45,9 @@ def fd_points(results: pd.DataFrame, arch: str, resample: str = "endpoint") -> p
                          "loss": rows["val_loss"].astype(float), "cell": cell}).reset_index(drop=True)
 
 
+FD_NAMES = {"E": "E", "A": "A", "B": "K", "alpha": "a", "beta": "c"}  # ChinchillaLaw's name -> the page's
+
+
 def _as_fd(law: ChinchillaLaw) -> dict[str, float]:
     """The fit in the page's parametrisation: A = A' 6^a so that the term reads A / F^a."""
     with np.errstate(over="ignore"):  # a degenerate draw (a in the hundreds) gives A = inf, not an error
@@ -53,8 +56,10 @@ def _as_fd(law: ChinchillaLaw) -> dict[str, float]:
 
 
 def fit_fd(points: pd.DataFrame, *, n_draws: int = 2000, seed: int = 0) -> dict:
-    """Huber fit of one architecture's points with its bootstrap: {"law", "coefficients" (E, A, K, a, c),
-    "rmse", "n_points", "intervals" {name: {"lo", "hi"}}, "draws" [laws or None], "n_converged"}."""
+    """Huber fit of one architecture's points with its bootstrap: {"law", "coefficients" (E, A, K, a, c;
+    "at_bound" when one sits at its bound), "rmse", "n_points", "intervals" {name: {"lo", "hi"}}, "draws"
+    [laws or None], "n_converged"}. Coefficients and intervals as `written.settle` writes them (a value at
+    the bound 0 as 0, one that ran off as infinite), so the verdict reads what the files say."""
     features, loss = ChinchillaLaw.features(points), points["loss"].to_numpy(float)
     result = fit.fit_law(ChinchillaLaw, features, loss)
     law, rmse = result.law, float(result.rmse)
@@ -65,7 +70,10 @@ def fit_fd(points: pd.DataFrame, *, n_draws: int = 2000, seed: int = 0) -> dict:
     tail = 100 * (1 - LEVEL) / 2
     intervals = {name: {"lo": float(np.percentile(fd[:, i], tail)), "hi": float(np.percentile(fd[:, i], 100 - tail))}
                  for i, name in enumerate(("E", "A", "K", "a", "c"))} if len(fd) else {}
-    return {"law": law, "coefficients": _as_fd(law), "rmse": rmse, "n_points": len(points),
+    settled = written.settle({**_as_fd(law), "intervals": intervals},
+                             [FD_NAMES[name] for name in written.lower_bounded(ChinchillaLaw)])
+    intervals = settled.pop("intervals")
+    return {"law": law, "coefficients": settled, "rmse": rmse, "n_points": len(points),
             "intervals": intervals, "draws": draws, "n_converged": boot["n_converged"], "n_draws": n_draws,
             "converged": bool(result.converged)}
 

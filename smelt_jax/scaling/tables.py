@@ -16,9 +16,21 @@ import numpy as np
 from smelt_jax.scaling import written
 from smelt_jax.scaling.gains import ce_gain, fitted_compute_range
 
+# TPP to 0.1 below 1e4 (every frontier the paper's laws give), else 4 significant digits (a degenerate
+# fit's optimum runs off to 1e8 tokens per parameter, and its 9th digit is the CPU's)
+TPP_FORMAT = "{:.1f}"
+TPP_FORMAT_LARGE = "{:.3e}"
+
+
+class _Tpp:
+    @staticmethod
+    def format(value) -> str:
+        return (TPP_FORMAT if abs(value) < 1e4 else TPP_FORMAT_LARGE).format(value)
+
+
 # fixed formats per column kind, so regenerated files diff only on real changes
 FORMATS = {"C": "{:.0e}", "S": "{:.2f}", "ce_gain": "{:.2%}", "ce_lo": "{:.1%}", "ce_hi": "{:.1%}",
-           "tpp_reference": "{:.1f}", "tpp_target": "{:.1f}", "loss_target": "{:.4f}",
+           "tpp_reference": _Tpp, "tpp_target": _Tpp, "loss_target": "{:.4f}",
            "loss_reference": "{:.4f}"}
 
 

@@ -12,7 +12,10 @@ Significant digits written, per quantity (DIGITS by JSON key or table column: JS
   noise.
 - gradient norms: 2 (an optimizer diagnostic: its size says whether a fit stopped at a minimum).
 - CE gains, TPP and frontier losses: the tables' fixed formats (tables.FORMATS: a CE gain to 0.01
-  percentage points, its interval ends to 0.1, TPP to 0.1, losses to 1e-4 nats).
+  percentage points, its interval ends to 0.1, TPP to 0.1 below 1e4 and to 4 significant digits above,
+  losses to 1e-4 nats).
+- a fitted law's predictions at the data and their residuals: 1e-5 nats (PREDICTION_DECIMALS; a
+  prediction carries its coefficients' 1e-6 relative precision, a few 1e-6 nats at losses of 1-5).
 - anything else (inputs, compute ranges, shares, counts): 8.
 
 Bounds: a parameter fitted as exp(raw) (E, A, K, a, c of the smelt law) has the lower bound 0, reached
@@ -33,7 +36,10 @@ SPREAD_DIGITS = 3
 DIAGNOSTIC_DIGITS = 2
 DEFAULT_DIGITS = 8
 # JSON keys and the digits of the floats under them (a key's own number, or the numbers of its dict)
+PREDICTION_DECIMALS = 5
 DIGITS = {"se": SPREAD_DIGITS, "lo": SPREAD_DIGITS, "hi": SPREAD_DIGITS, "grad_norm": DIAGNOSTIC_DIGITS,
+          # the preregistered verdict's checks and table: interval ends
+          **{f"{name}_{end}": SPREAD_DIGITS for name in ("E", "a", "c") for end in ("lo", "hi")},
           **{name: COEFFICIENT_DIGITS for name in ("E", "A", "B", "K", "a", "b", "c", "alpha", "beta", "phi",
                                                    "objective", "rmse", "sigma")}}
 AT_BOUND = 1e-12  # health.MIN_COEFFICIENT: below this a coefficient has switched its term off
@@ -65,15 +71,20 @@ def lower_bounded(law) -> list[str]:
 def settle_bounds(coefficients: dict, law) -> dict:
     """coefficients.json's content with parameters at their bound written as the bound ("at_bound" names
     them) and interval values beyond UNBOUNDED written as infinite ("unbounded" says why)."""
+    return settle(coefficients, lower_bounded(law))
+
+
+def settle(coefficients: dict, bounded: list[str]) -> dict:
+    """`settle_bounds` for coefficients whose parameters named in `bounded` are bounded below by 0."""
     out = dict(coefficients)
     at_bound = {name: "0 (the fit drove it to its lower bound: the data do not identify this term)"
-                for name in lower_bounded(law) if name in out and abs(out[name]) < AT_BOUND}
+                for name in bounded if name in out and abs(out[name]) < AT_BOUND}
     for name in at_bound:
         out[name] = 0.0
     if at_bound:
         out["at_bound"] = at_bound
     if "intervals" in out:
-        out["intervals"] = {name: settle_interval(values, name in lower_bounded(law))
+        out["intervals"] = {name: settle_interval(values, name in bounded)
                             for name, values in out["intervals"].items()}
     return out
 
