@@ -6,7 +6,8 @@ OVERFLOW_HLO: a 3-trip `while` (known trip count) around a loop whose bound is d
 passes' shape: the condition compares the counter with a loop-carried value, not a constant).
 VMEM_HLO: a prefetch (copy-start / copy-done) of f32[128,256] into memory space S(1), read by a fusion.
 GATHER_SCATTER_HLO: a gather of 10 rows of an f32[1000,64] table, a scatter-add of 10 rows into it,
-and a fusion whose root scatters into its parameter in place.
+a fusion whose root scatters into its parameter in place, and one whose root is such a fusion (TPU's
+scatter_custom_fusion).
 """
 
 _SUM = """%sum (a: f32[], b: f32[]) -> f32[] {
@@ -172,12 +173,21 @@ GATHER_SCATTER_HLO = "HloModule m, is_scheduled=true\n\n" + _SUM + """
   ROOT %sc = f32[1000,64]{1,0} scatter(%s0, %s1, %twice), update_window_dims={1}, inserted_window_dims={0}, scatter_dims_to_operand_dims={0}, index_vector_dim=1, to_apply=%sum
 }
 
+%fused_nested (n0: f32[1000,64], n1: s32[10,1], n2: f32[10,64]) -> f32[1000,64] {
+  %n0 = f32[1000,64]{1,0} parameter(0)
+  %n1 = s32[10,1]{1,0} parameter(1)
+  %n2 = f32[10,64]{1,0} parameter(2)
+  %scaled = f32[10,64]{1,0} multiply(%n2, %n2)
+  ROOT %inner = f32[1000,64]{1,0} fusion(%n0, %n1, %scaled), kind=kCustom, calls=%fused_scatter
+}
+
 ENTRY %main (table: f32[1000,64], idx: s32[10,1], upd: f32[10,64]) -> f32[1000,64] {
   %table = f32[1000,64]{1,0} parameter(0)
   %idx = s32[10,1]{1,0} parameter(1)
   %upd = f32[10,64]{1,0} parameter(2)
   %rows = f32[10,64]{1,0} gather(%table, %idx), offset_dims={1}, collapsed_slice_dims={0}, start_index_map={0}, index_vector_dim=1, slice_sizes={1,64}
   %added = f32[1000,64]{1,0} scatter(%table, %idx, %rows), update_window_dims={1}, inserted_window_dims={0}, scatter_dims_to_operand_dims={0}, index_vector_dim=1, to_apply=%sum
-  ROOT %fs = f32[1000,64]{1,0} fusion(%added, %idx, %upd), kind=kLoop, calls=%fused_scatter
+  %fs = f32[1000,64]{1,0} fusion(%added, %idx, %upd), kind=kLoop, calls=%fused_scatter
+  ROOT %nfs = f32[1000,64]{1,0} fusion(%fs, %idx, %upd), kind=kCustom, calls=%fused_nested
 }
 """

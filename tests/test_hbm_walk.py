@@ -154,6 +154,8 @@ def test_gathers_and_scatters_are_charged_the_rows_they_touch():
     assert charges["added"] == indices + 2 * rows  # indices and updates read, the rows written
     # the fused scatter into its parameter: indices and updates read, the updated rows written
     assert charges["fs"] == indices + rows + rows
+    # the same scatter one fusion deeper (the root a fusion that scatters into the outer parameter)
+    assert charges["nfs"] == indices + rows + rows
     assert hbm_bytes(GATHER_SCATTER_HLO).total < table  # never the whole table
 
 

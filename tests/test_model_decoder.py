@@ -1,6 +1,7 @@
 """The decoder: parameter count, loop semantics, document isolation, captures, remat."""
 
 import itertools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -237,3 +238,25 @@ def test_bad_inputs_are_rejected(tiny_model):
         model(tokens, segments, positions[:, :4])
     with pytest.raises(ValueError, match="batch, seq"):
         model(tokens[0], segments[0], positions[0])
+
+
+def test_the_loop_visits_do_not_stack_saved_activations_twice():
+    """With scanned layers (TPU's choice) the compiled gradient of a looped model holds each visit's own
+    layer scan: no array shaped [visits, looped layers, ...] (a residual stack filled from a per-visit
+    stack, every saved activation written and read twice), while each [layers, ...] stack is there."""
+    cfg = TINY.replace(loop_start=1, loop_length=3, loop_repeats=2, n_layers=5)
+    model = Decoder(cfg, rngs=nnx.Rngs(0))
+    model.layer_loop = "scan"
+    graphdef, state = nnx.split(model)
+    tokens, segments, positions = _batch()
+
+    def loss(state):
+        logits, _ = nnx.merge(graphdef, state)(tokens, segments, positions)
+        return jnp.mean(logits.astype(jnp.float32) ** 2)
+
+    hlo = jax.jit(jax.grad(loss)).lower(state).compile().as_text()
+    t, d = tokens.size, cfg.d_model
+    stacked_twice = re.findall(rf"\[{cfg.loop_repeats},{cfg.loop_length},[0-9,]*\]", hlo)
+    assert not [s for s in stacked_twice if s.count(",") >= 3], sorted(set(stacked_twice))[:5]
+    per_visit = re.findall(rf"\[{cfg.loop_length},(?:{t},{d}|2,{SEQ},{d})\]", hlo)
+    assert per_visit  # the layer scan's own residual stacks

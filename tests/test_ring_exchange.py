@@ -145,3 +145,26 @@ def test_a_layout_records_its_exchange_without_changing_ids_at_auto():
     assert run.parallelism.with_exchange(run.model) is run.model
     with pytest.raises(ConfigError, match="exchange"):
         Parallelism(exchange="sparse")
+
+
+def test_the_ring_saves_its_rows_in_the_compute_dtype_and_no_float32_rows():
+    """bfloat16 tokens and experts, overflow passes compiled in: the residuals the backward keeps hold
+    no float32 array of rows (last dim d); the expert rows are saved in bfloat16."""
+    rng = np.random.default_rng(3)
+    t = 40
+    tokens = jnp.asarray(rng.normal(size=(t, D)), jnp.bfloat16)
+    ids = jnp.asarray(_routing("random", t, rng).astype(np.int32))
+    route_w = jax.nn.softmax(jnp.asarray(rng.normal(size=(t, K)).astype(np.float32)), axis=-1)
+    experts = [jnp.asarray(0.3 * rng.normal(size=shape), jnp.bfloat16) for shape in ((E, D, F),) * 2 + ((E, F, D),)]
+    plan = dispatch(ids, E, None)
+    mesh = sharding.make_mesh(Parallelism(data=1, expert=8))
+
+    def ring(x, rw, wg, wu, wd):
+        return ring_expert_outputs(x, plan, rw, wg, wu, wd, backend="capacity", mesh=mesh, slack=0.5)
+
+    with jax.set_mesh(mesh):
+        _, vjp = jax.vjp(ring, tokens, route_w, *experts)
+    saved = [leaf for leaf in jax.tree.leaves(vjp) if hasattr(leaf, "dtype") and leaf.ndim >= 2]
+    rows = [leaf for leaf in saved if leaf.shape[-1] == D]
+    assert any(leaf.dtype == jnp.bfloat16 for leaf in rows)  # the expert rows are among the residuals
+    assert not [leaf.shape for leaf in rows if leaf.dtype == jnp.float32]

@@ -22,8 +22,9 @@ Refinements, also those of XLA's cost analysis, so that an op is charged what it
 - a fusion operand that the fused computation only slices (`dynamic-slice`, `slice`, `gather`) is
   charged the bytes of the slices, not the whole operand;
 - an in-place update (`dynamic-update-slice`, `scatter`) is charged the update, not the buffer it
-  updates (alone, as a fusion's root on one of the fusion's operands, or as an element of a
-  multi-output fusion's tuple root, the form a scan's stacked residuals take on TPU);
+  updates (alone, as a fusion's root on one of the fusion's operands, as an element of a
+  multi-output fusion's tuple root, the form a scan's stacked residuals take on TPU, or as the root of
+  a fusion nested at the root, the form of TPU's `scatter_custom_fusion`);
 - a `gather` reads the rows it gathers (its result) and its indices, and writes its result; a
   `scatter` reads its indices and updates and writes the rows it updates (the updates' size);
 - instructions that move nothing are free: parameter, constant, get-tuple-element, tuple, bitcast,
@@ -106,9 +107,11 @@ def operands(instruction: Instruction) -> list[str]:
     return _NAME.findall(instruction.rest[:end])
 
 
-def _fused_charges(fused: list[Instruction]) -> tuple[dict[int, float], float | None]:
+def _fused_charges(fused: list[Instruction], computations: dict[str, list[Instruction]] | None = None,
+                   ) -> tuple[dict[int, float], float | None]:
     """For a fused computation: ({parameter index: bytes charged instead of the whole operand}, bytes
-    charged for the result instead of its shape when the root updates a parameter in place)."""
+    charged for the result instead of its shape when the root updates a parameter in place).
+    `computations` (name -> instructions) lets a root that is itself a fusion be looked into."""
     by_name = {i.name: i for i in fused}
     users: dict[str, list[Instruction]] = defaultdict(list)
     for instruction in fused:
@@ -126,15 +129,22 @@ def _fused_charges(fused: list[Instruction]) -> tuple[dict[int, float], float | 
         if uses and all(u.op in SLICING_OPS and operands(u)[:1] == [name] for u in uses):
             charges[index] = sum(hbm_shape_bytes(u.shape) for u in uses)
     root = fused[-1] if fused else None
-    if root is None or (root.op not in IN_PLACE_OPS and root.op != "tuple"):
+    if root is None or (root.op not in IN_PLACE_OPS and root.op not in ("tuple", "fusion")):
         return charges, None
     # The root, or each element of a multi-output fusion's tuple root, that updates a parameter in
     # place writes only its update (and does not read the rest of the buffer).
-    outputs = [root] if root.op in IN_PLACE_OPS else [by_name.get(n) for n in operands(root)]
+    outputs = [root] if root.op != "tuple" else [by_name.get(n) for n in operands(root)]
     result, in_place = 0.0, False
     for output in outputs:
         if output is None:
             return charges, None  # an element the walk cannot see: charge the whole result
+        nested = _nested_in_place(output, params, computations)
+        if nested is not None:
+            target_index, update_bytes = nested
+            charges[target_index] = 0.0
+            result += update_bytes
+            in_place = True
+            continue
         if output.op in IN_PLACE_OPS:
             names = operands(output)
             target = names[0] if names else None
@@ -146,6 +156,24 @@ def _fused_charges(fused: list[Instruction]) -> tuple[dict[int, float], float | 
                 continue
         result += hbm_shape_bytes(output.shape)
     return charges, (result if in_place else None)
+
+
+def _nested_in_place(output: Instruction, params: dict[str, int],
+                     computations: dict[str, list[Instruction]] | None) -> tuple[int, float] | None:
+    """(the outer parameter index, the update's bytes) when `output` is a fusion whose own root updates
+    one of its operands in place and that operand is a parameter of the enclosing fusion; else None."""
+    if output.op != "fusion" or computations is None:
+        return None
+    called = re.search(r"\bcalls=%([\w.\-]+)", output.rest)
+    inner = computations.get(called.group(1), []) if called else []
+    inner_charges, update_bytes = _fused_charges(inner, computations)
+    if update_bytes is None:
+        return None
+    names = operands(output)
+    targets = [names[i] for i, charge in inner_charges.items() if charge == 0.0 and i < len(names)]
+    if len(targets) != 1 or targets[0] not in params:
+        return None
+    return params[targets[0]], update_bytes
 
 
 def instruction_bytes(instruction: Instruction, shapes: dict[str, str],
@@ -172,7 +200,8 @@ def instruction_bytes(instruction: Instruction, shapes: dict[str, str],
         return indices + 2.0 * updates
     if op == "fusion":
         called = re.search(r"\bcalls=%([\w.\-]+)", instruction.rest)
-        charges, in_place = _fused_charges(computations.get(called.group(1), [])) if called else ({}, None)
+        charges, in_place = (_fused_charges(computations.get(called.group(1), []), computations) if called
+                             else ({}, None))
         operand_bytes = [charges.get(i, b) for i, b in enumerate(operand_bytes)]
         if in_place is not None:
             result = in_place

@@ -1,10 +1,13 @@
 """The decoder: embedding, prefix stack, looped stack (run loop_repeats times, same weights),
 suffix stack, final RMSNorm, untied unembedding.
 
-Each stack is one vmapped Layer iterated over its depth, and the loop's visits are an outer iteration. On
-TPU and GPU both are scans, so compile time depends on neither depth nor loop_repeats; on CPU both are
-Python loops (`Decoder.layer_loop`, kernels/backend.py). Inside the loop both residual writes are scaled
-by 1/loop_repeats.
+Each stack is one vmapped Layer iterated over its depth: a scan on TPU and GPU, so compile time does not
+depend on depth, and a Python loop on CPU (`Decoder.layer_loop`, kernels/backend.py). The loop's visits
+(loop_repeats, 2-4) are a Python loop in training, each visit its own scan over the looped layers: a scan
+of visits around the layer scan would stack each visit's saved activations a second time ([visits,
+layers, ...] filled from [layers, ...]: every residual written and read twice, ~45 GB a step at 100M on
+v5p; docs/performance.md). Decoding with a cache keeps the visits a scan of the layer loop's kind.
+Inside the loop both residual writes are scaled by 1/loop_repeats.
 """
 
 from __future__ import annotations
@@ -119,7 +122,8 @@ class Decoder(nnx.Module):
                 return carry, (visit_stats, visit_new_cache, visit_captures)
 
             x, (stats["loop"], new_cache["loop"], captures["loop"]) = loop_over(
-                visit, x, _get(cache, "loop"), length=cfg.loop_repeats, loop=loop)
+                visit, x, _get(cache, "loop"), length=cfg.loop_repeats,
+                loop=loop if cache is not None else "unrolled")
         if self.suffix is not None:
             x, stats["suffix"], new_cache["suffix"], captures["suffix"] = run_stack(
                 self.suffix, x, context, 1.0, caches=_get(cache, "suffix"), **run)

@@ -17,9 +17,14 @@ E_l = E / n experts (n = size of `expert`; expert e lives on device e // E_l as 
    `moe_buffers.rows_per_destination(G, ...)`; None = the worst case G * min(k, E_l)); copies past it
    run in overflow passes of `moe_buffers.overflow_rows` rows, a loop of as many passes as this device
    needs. The loop holds no collective, so devices do not agree on a count.
-3. Each computed row, times its router weight, is added (float32) into its token's row of
-   y_partial [G, d]; y_partial is cast to the compute dtype and `psum_scatter`ed over `expert`: each
-   device gets the sum over devices for its own T_l tokens.
+3. Each computed row, times its router weight, is scatter-added (float32) into its token's row of
+   y_partial [G, d], every pass into the same buffer in place; y_partial is cast to the compute dtype
+   and `psum_scatter`ed over `expert`: each device gets the sum over devices for its own T_l tokens.
+
+Steps 2-3 are one custom VJP (`_local_experts`): the forward saves the first pass's expert rows in the
+compute dtype (no float32 [rows, d] residual); the backward gathers the cotangent's rows, and each pass
+(overflow passes recomputed) scatter-adds only its own rows into the gradients, so an overflow pass
+costs in proportion to its rows, not to G.
 
 Per device and layer this sends (n - 1) T_l d elements twice (gather, reduce-scatter) instead of two
 all-to-alls of n C d elements (C = slack T_l k / n): 2 (n-1) T_l d against 2 slack k T_l d, e.g.
@@ -41,6 +46,7 @@ from smelt_jax.kernels.backend import EXPERT_AXIS
 from smelt_jax.kernels.experts import expert_ffn
 from smelt_jax.model.dispatch import Dispatch, argsort_small_keys
 from smelt_jax.model.expert_exchange import run_sharded
+from smelt_jax.model.row_gather import take_rows
 from smelt_jax.model.moe_buffers import overflow_rows, round_up, rows_per_destination, worst_case_rows
 
 __all__ = ["RING_SCOPE", "ring_expert_outputs", "ring_fill", "ring_rows"]
@@ -77,52 +83,101 @@ def _window_counts(counts: jax.Array, first, width: int) -> jax.Array:
     return (jnp.clip(ends - first, 0, width) - jnp.clip(starts - first, 0, width)).astype(jnp.int32)
 
 
-def _local_pass(x_all, route_w, w_gate, w_up, w_down, order, counts, first, *, width: int, top_k: int,
-                impl: str):
-    """Sorted local copies [first, first + width), computed and combined.
-
-    x_all [G, d]; route_w [G * k] float32 (0 for copies not kept); weights [E_l, ...]; order
-    [G * k + width] int32 (flat copy index of each sorted row, padded); counts [E_l] -> [G, d] float32."""
-    gathered, d = x_all.shape
+def _window(order, counts, first, width: int, gathered: int, top_k: int):
+    """The sorted local copies [first, first + width): (group_sizes [E_l], copies [W] flat copy index,
+    token [W] (`gathered` past the end: dropped / filled with 0), valid [W])."""
     group_sizes = _window_counts(counts, first, width)
     copies = jax.lax.dynamic_slice(order, (first,), (width,))
     valid = jnp.arange(width) < jnp.sum(group_sizes)
-    token = jnp.where(valid, copies // top_k, gathered)  # `gathered`: out of range, dropped
-    x_sorted = x_all.at[token].get(mode="fill", fill_value=0)
-    # A token picks distinct experts: no expert gets more than G rows.
-    y_sorted = expert_ffn(x_sorted, w_gate, w_up, w_down, group_sizes, impl=impl,
-                          capacity=min(gathered, width))
-    weight = jnp.where(valid, jnp.take(route_w, jnp.minimum(copies, route_w.shape[0] - 1)), 0.0)
-    rows = y_sorted.astype(jnp.float32) * weight[:, None]
-    return jnp.zeros((gathered, d), jnp.float32).at[token].add(rows, mode="drop")
+    return group_sizes, jnp.where(valid, copies, gathered * top_k), jnp.where(valid, copies // top_k, gathered), valid
 
 
-def _overflow(params, ints, n_passes, *, first: int, width: int, pass_kw: dict):
-    """Sum over `n_passes` (traced) passes of `width` rows from `first` on: params (x_all, route_w,
-    w_gate, w_up, w_down), ints (order, counts) -> [G, d] float32. A custom VJP whose backward loops
-    over the same passes, recomputing each forward: a loop of data-dependent length has no JAX VJP."""
+def _pass_forward(x_all, route_w, experts, window, *, capacity: int, impl: str):
+    """One pass's rows: (y_sorted [W, d] in x's dtype, weight [W] float32, the ffn's VJP)."""
+    group_sizes, copies, token, _ = window
+    x_sorted = take_rows(x_all, token)
+    y_sorted, ffn_vjp = jax.vjp(
+        lambda xs, *w: expert_ffn(xs, *w, group_sizes, impl=impl, capacity=capacity), x_sorted, *experts)
+    return y_sorted, take_rows(route_w, copies), ffn_vjp
 
-    def run(p, i, q):
-        return _local_pass(*p, *i, first + q * width, width=width, **pass_kw)
+
+def _combine(acc, y_sorted, weight, token):
+    """acc [G, d] float32 += weight * y_sorted at each row's token (in place; the dropped rows' token is G)."""
+    return acc.at[token].add(y_sorted.astype(jnp.float32) * weight[:, None], mode="drop")
+
+
+def _pass_backward(g, y_sorted, weight, ffn_vjp, window, grads):
+    """Adds one pass's cotangents into grads = (dx_all [G, d], droute_w [G k] f32, dw_gate, dw_up, dw_down)
+    (in place: scatter-adds of the pass's rows only). g [G, d] is the cotangent of the combined rows."""
+    _, copies, token, _ = window
+    g_rows = take_rows(g, token).astype(jnp.float32)  # 0 for dropped rows
+    dweight = jnp.sum(g_rows * y_sorted.astype(jnp.float32), axis=1)
+    dx_sorted, *dw = ffn_vjp((g_rows * weight[:, None]).astype(y_sorted.dtype))
+    dx_all, droute_w, *dw_all = grads
+    return (dx_all.at[token].add(dx_sorted.astype(dx_all.dtype), mode="drop"),
+            droute_w.at[copies].add(dweight, mode="drop"),
+            *(a + b.astype(a.dtype) for a, b in zip(dw_all, dw)))
+
+
+def _local_experts(x_all, route_w, experts, order, counts, *, rows: int, extra: int, top_k: int, impl: str):
+    """The local experts' copies of the gathered tokens, weighted and summed per token.
+
+    x_all [G, d]; route_w [G k] float32 (0 for copies not computed here); experts (w_gate, w_up, w_down)
+    [E_l, ...]; order [G k + max(rows, extra)] int32 (flat copy index of each sorted row, padded); counts
+    [E_l] -> y [G, d] in x_all's dtype, accumulated in float32.
+
+    A first pass of `rows` sorted rows, then overflow passes of `extra` rows for the device's copies past
+    it (a loop of data-dependent length; none when extra = 0). A custom VJP: the forward saves the first
+    pass's rows in x's dtype (no float32 [rows, d]); the backward gathers the cotangent's rows, and every
+    pass (the overflow passes recomputed) scatter-adds only its own rows into the gradient of x_all, so a
+    pass costs in proportion to its rows, not to G."""
+    gathered = x_all.shape[0]
+    kw = dict(impl=impl)
+
+    def windows(order, counts):
+        """(the first pass's window, q -> overflow pass q's window, the number of overflow passes)."""
+        n_passes = (-(-jnp.maximum(jnp.sum(counts) - rows, 0) // extra)) if extra else 0
+        return (_window(order, counts, 0, rows, gathered, top_k),
+                lambda q: _window(order, counts, rows + q * extra, extra, gathered, top_k), n_passes)
+
+    def forward(x_all, route_w, experts, order, counts):
+        first, over, n_passes = windows(order, counts)
+        y_sorted, weight, ffn_vjp = _pass_forward(x_all, route_w, experts, first,
+                                                  capacity=min(gathered, rows), **kw)
+        y = _combine(jnp.zeros(x_all.shape, jnp.float32), y_sorted, weight, first[2])
+
+        def overflow(q, y):
+            w = over(q)
+            y_q, weight_q, _ = _pass_forward(x_all, route_w, experts, w, capacity=min(gathered, extra), **kw)
+            return _combine(y, y_q, weight_q, w[2])
+        if extra:
+            y = jax.lax.fori_loop(0, n_passes, overflow, y)
+        return y.astype(x_all.dtype), (y_sorted, weight, ffn_vjp)
 
     @jax.custom_vjp
-    def overflow(p, i, passes):
-        zero = jnp.zeros(p[0].shape, jnp.float32)
-        return jax.lax.fori_loop(0, passes, lambda q, acc: acc + run(p, i, q), zero)
+    def local(x_all, route_w, experts, order, counts):
+        return forward(x_all, route_w, experts, order, counts)[0]
 
-    def fwd(p, i, passes):
-        return overflow(p, i, passes), (p, i, passes)
+    def fwd(x_all, route_w, experts, order, counts):
+        y, saved = forward(x_all, route_w, experts, order, counts)
+        return y, (x_all, route_w, experts, order, counts, saved)
 
     def bwd(res, g):
-        p, i, passes = res
+        x_all, route_w, experts, order, counts, (y_sorted, weight, ffn_vjp) = res
+        first, over, n_passes = windows(order, counts)
+        grads = (jnp.zeros_like(x_all), jnp.zeros_like(route_w), *(jnp.zeros_like(w) for w in experts))
+        grads = _pass_backward(g, y_sorted, weight, ffn_vjp, first, grads)
 
-        def step(q, acc):
-            _, vjp = jax.vjp(lambda pp: run(pp, i, q), p)
-            return jax.tree.map(jnp.add, acc, vjp(g)[0])
-        return jax.lax.fori_loop(0, passes, step, jax.tree.map(jnp.zeros_like, p)), None, None
+        def overflow(q, grads):
+            w = over(q)
+            y_q, weight_q, vjp_q = _pass_forward(x_all, route_w, experts, w, capacity=min(gathered, extra), **kw)
+            return _pass_backward(g, y_q, weight_q, vjp_q, w, grads)
+        if extra:
+            grads = jax.lax.fori_loop(0, n_passes, overflow, grads)
+        return grads[0], grads[1], tuple(grads[2:]), None, None
 
-    overflow.defvjp(fwd, bwd)
-    return overflow(tuple(params), tuple(ints), n_passes)
+    local.defvjp(fwd, bwd)
+    return local(x_all, route_w, tuple(experts), order, counts)
 
 
 def _ring_body(x_local, ids_local, kept_local, weights_local, w_gate, w_up, w_down, *, top_k: int,
@@ -144,14 +199,10 @@ def _ring_body(x_local, ids_local, kept_local, weights_local, w_gate, w_up, w_do
     extra = overflow_rows(rows, gathered, top_k, experts_local)
     order = argsort_small_keys(key, experts_local + 1)
     order = jnp.pad(order, (0, max(rows, extra)))  # windows past the end read padding (masked)
-    params = (x_all, route_w, w_gate, w_up, w_down)
-    pass_kw = dict(top_k=top_k, impl=impl)
-    y = _local_pass(*params, order, counts, 0, width=rows, **pass_kw)
-    if extra:
-        n_passes = -(-jnp.maximum(jnp.sum(counts) - rows, 0) // extra)
-        y = y + _overflow(params, (order, counts), n_passes, first=rows, width=extra, pass_kw=pass_kw)
+    y = _local_experts(x_all, route_w, (w_gate, w_up, w_down), order, counts, rows=rows, extra=extra,
+                       top_k=top_k, impl=impl)
     with jax.named_scope(RING_SCOPE):
-        return jax.lax.psum_scatter(y.astype(x_local.dtype), EXPERT_AXIS, scatter_dimension=0, tiled=True)
+        return jax.lax.psum_scatter(y, EXPERT_AXIS, scatter_dimension=0, tiled=True)
 
 
 @jax.named_scope("experts")  # names the ops for profiles (benchmarks/bench_ops.py)
