@@ -1,6 +1,7 @@
 """Routing imbalance over training, for sizing the expert-parallel buffers (docs/moe-buffers.md).
 
     PYTHONPATH=. python -m benchmarks.moe_load [RUN_ID] [STEPS] [EVERY]
+    PYTHONPATH=. python -m benchmarks.moe_load --trained RUN_FOLDER [BRANCH] [GROUP_TOKENS]
 
 Trains one micro run (default micro-xs-s95-smelt) on the embedded corpus with its own optimizer and
 learning-rate schedule (the stable phase's, its last rate held past its end), and every EVERY steps reads
@@ -14,6 +15,13 @@ experts into n contiguous device groups (the MoE shard_map's layout):
 Prints a markdown table: per stage of training, the mean and max over samples and layers; then, per
 candidate `ModelConfig.expert_buffer_slack`, the exchange's rows per step from the sampled block ratios
 (`slack_cost`), to choose the default from (docs/moe-buffers.md).
+
+With --trained it reads a trained run's routing instead (a run folder with checkpoints; BRANCH: a decay
+branch's endpoint, default the stable run's newest checkpoint): the routing of the restored model on
+consecutive training batches of its own corpus, pooled into groups of GROUP_TOKENS tokens (default
+131,072: the G = n * T_l tokens a ring-exchange group of a 100M program gathers, n = 8, T_l = 16,384),
+and per group and executed layer the same three ratios. Experts that n does not divide go to devices
+in contiguous groups of floor or ceil(E / n) (expert e on device e * n // E).
 """
 
 from __future__ import annotations
@@ -46,8 +54,9 @@ def imbalance(ids: np.ndarray, n_experts: int, n_devices: int, shards: int) -> d
     """ids [T, k] of one layer -> {'expert', 'device', 'block'} max / mean ratios."""
     tokens, top_k = ids.shape
     counts = np.bincount(ids.reshape(-1), minlength=n_experts)
-    per_device = counts.reshape(n_devices, -1).sum(axis=1)
-    dest = (ids // (n_experts // n_devices)).reshape(shards, -1)
+    device_of = np.arange(n_experts) * n_devices // n_experts  # contiguous groups (E / n when n divides E)
+    per_device = np.bincount(device_of, weights=counts, minlength=n_devices)
+    dest = device_of[ids].reshape(shards, -1)
     blocks = np.stack([np.bincount(d, minlength=n_devices) for d in dest])
     balanced = tokens / shards * top_k / n_devices
     return {"expert": counts.max() / counts.mean(), "device": per_device.max() / per_device.mean(),
@@ -94,6 +103,58 @@ def measure(run_id: str, steps: int, every: int) -> list[tuple[int, int, dict]]:
     return samples
 
 
+def measure_trained(target: str, branch: int | None, group_tokens: int, groups: int = 2) -> tuple[str, list[dict], int]:
+    """A trained run's routing: (what was read, per (group, executed layer, n) the imbalance dict with
+    'n' added, n_experts). `groups` groups of consecutive batches of the run's own training stream from
+    step 0, each pooled to group_tokens tokens."""
+    import jax
+    import jax.numpy as jnp
+
+    from smelt_jax.analysis.evaluate import load_model, run_corpus
+    from smelt_jax.config import Schedule
+    from smelt_jax.data.pipeline import TrainPipeline
+
+    loaded = load_model(target, branch)
+    cfg = loaded.cfg
+    pipeline = TrainPipeline.from_schedule(run_corpus(loaded), Schedule.from_dict(loaded.run["schedule"]))
+
+    @jax.jit
+    def routed(batch):
+        _, aux = loaded.model(batch["tokens"], batch["segment_ids"], batch["positions"], capture=True)
+        return {key: c["topk_ids"] for key, c in aux["captures"].items()}
+
+    per_batch = pipeline.batch_at(0)["tokens"].size
+    n_batches = -(-group_tokens // per_batch)
+    samples, step = [], 0
+    for _ in range(groups):
+        pooled: dict = {}
+        for _ in range(n_batches):
+            batch = {k: jnp.asarray(v) for k, v in pipeline.batch_at(step).items()}
+            step += 1
+            for layer, ids in routed(batch).items():
+                pooled.setdefault(layer, []).append(np.asarray(ids).reshape(-1, cfg.top_k))
+        for layer in sorted(pooled):
+            ids = np.concatenate(pooled[layer])[:group_tokens]
+            for n in DEVICE_COUNTS:
+                samples.append({"n": n, **imbalance(ids, cfg.n_experts, n, SHARDS)})
+    what = (f"{loaded.run.get('id', target)} (E {cfg.n_experts}, top-{cfg.top_k}), "
+            f"{'branch ' + str(loaded.branch) if loaded.branch is not None else 'stable'} step {loaded.step}: "
+            f"{groups} group(s) of {group_tokens:,} tokens ({n_batches} batches of {per_batch}), "
+            f"{len(pooled)} executed layers, {SHARDS} token shards")
+    return what, samples, cfg.n_experts
+
+
+def trained_table(samples: list[dict], n_experts: int) -> str:
+    lines = ["| n devices | experts a device | expert max/mean: mean, max | device max/mean: mean, max "
+             "| block / balanced: mean, max |", "|---|---|---|---|---|"]
+    for n in DEVICE_COUNTS:
+        rows = [s for s in samples if s["n"] == n]
+        cells = [f"{np.mean([r[k] for r in rows]):.2f}, {np.max([r[k] for r in rows]):.2f}"
+                 for k in ("expert", "device", "block")]
+        lines.append(f"| {n} | {n_experts / n:g} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def table(samples, steps: int) -> str:
     stages = [(0, 0), (1, steps // 3), (steps // 3 + 1, steps)]
     lines = ["| steps | n devices | expert max/mean: mean, max | device max/mean: mean, max "
@@ -109,13 +170,12 @@ def table(samples, steps: int) -> str:
     return "\n".join(lines)
 
 
-def slack_table(samples, steps: int) -> str:
-    """Per device count and slack, over the samples after the first third of training: the share of
-    layers that overflow, their mean passes, and mean rows moved per layer (units of R)."""
+def slack_table(blocks_by_n: dict[int, list[float]]) -> str:
+    """Per device count and slack, over the sampled block ratios: the share of layers that overflow,
+    their mean passes, and mean rows moved per layer (units of R)."""
     lines = ["| n devices | slack | layers overflowing | passes (mean, max) | rows moved / R (mean) |",
              "|---|---|---|---|---|"]
-    for n in DEVICE_COUNTS:
-        blocks = [s["block"] for step, dn, s in samples if step > steps // 3 and dn == n]
+    for n, blocks in blocks_by_n.items():
         for slack in SLACKS:
             costs = [slack_cost(b, slack) for b in blocks]
             passes = [c[0] for c in costs]
@@ -125,6 +185,18 @@ def slack_table(samples, steps: int) -> str:
 
 
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["--trained"]:
+        branch = int(argv[2]) if len(argv) > 2 else None
+        group = int(argv[3]) if len(argv) > 3 else 131072
+        what, samples, n_experts = measure_trained(argv[1], branch, group)
+        print(what)
+        print(trained_table(samples, n_experts))
+        for key in ("device", "block"):
+            ratios = ", ".join(f"{s[key]:.3f}" for s in samples if s["n"] == 8)
+            print(f"\nn = 8, {key} ratio per (group, layer): {ratios}")
+        print()
+        print(slack_table({n: [s["block"] for s in samples if s["n"] == n] for n in DEVICE_COUNTS}))
+        return 0
     run_id = argv[0] if argv else "micro-xs-s95-smelt-27f34426"
     steps = int(argv[1]) if len(argv) > 1 else 300
     every = int(argv[2]) if len(argv) > 2 else 10
@@ -132,7 +204,8 @@ def main(argv: list[str]) -> int:
     print(f"{run_id}: {steps} steps, sampled every {every}, {SHARDS} token shards")
     print(table(samples, steps))
     print()
-    print(slack_table(samples, steps))
+    print(slack_table({n: [s["block"] for step, dn, s in samples if step > steps // 3 and dn == n]
+                       for n in DEVICE_COUNTS}))  # after the first third of training
     return 0
 
 

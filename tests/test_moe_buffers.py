@@ -193,3 +193,20 @@ def test_slack_cost_counts_the_passes_an_imbalanced_layer_needs():
     assert slack_cost(1.5, 1.5) == (0, 1.5)
     assert slack_cost(2.2, 1.5) == (2, 1.5 + 2 * 0.375 + OVERFLOW_FIXED)  # 0.7 past C in passes of C / 4
     assert slack_cost(6.0, 3.0) == (4, 3.0 + 4 * 0.75 + OVERFLOW_FIXED)
+
+
+def test_imbalance_groups_experts_into_contiguous_devices_even_when_n_does_not_divide_them():
+    from benchmarks.moe_load import imbalance
+
+    # 10 experts on 4 devices: e * 4 // 10 puts experts 0-2, 3-4, 5-7, 8-9 on devices 0-3
+    ids = np.array([[0, 1], [2, 3], [5, 8], [0, 9], [1, 4], [6, 7], [2, 0], [0, 5]])  # T 8, k 2
+    counts = np.bincount(ids.ravel(), minlength=10)
+    per_device = [counts[0:3].sum(), counts[3:5].sum(), counts[5:8].sum(), counts[8:10].sum()]  # 7 2 4 3
+    got = imbalance(ids, 10, 4, shards=2)
+    assert got["device"] == pytest.approx(max(per_device) / np.mean(per_device))  # 7 / 4
+    assert got["expert"] == pytest.approx(counts.max() / counts.mean())  # 4 / 1.6
+    # blocks: shard 0 (tokens 0-3) sends 4 copies to device 0; balanced = 4 tokens x 2 / 4 devices = 2
+    assert got["block"] == pytest.approx(4 / 2)
+    # when n divides E the groups are E / n experts each, as the MoE shard_map holds them
+    even = np.array([[0, 7], [1, 2], [3, 3], [6, 5]])
+    assert imbalance(even, 8, 4, shards=1)["device"] == pytest.approx(3 / 2)  # devices 0-3: 2, 3, 1, 2

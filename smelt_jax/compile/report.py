@@ -100,7 +100,7 @@ class CompileReport:
     # `overflow_passes` (expected from measured load, `compile.overflow`), its worst case beside it
     hbm_by_category: dict[str, float] | None = None
     hbm_overflow_per_pass: float | None = None  # bytes one overflow pass adds (all layers, fwd + bwd)
-    overflow_passes: int | None = None
+    overflow_passes: float | None = None  # expected: a mean over measured loads
     overflow_passes_worst: int | None = None
     hbm_top: list[dict] | None = None  # the 25 largest instructions (`breakdown.TopRow` fields)
 
@@ -133,13 +133,15 @@ class CompileReport:
 
 
 # Bump when `analyse` derives its fields differently: cached reports are then re-analysed (no recompile).
-ANALYSIS_VERSION = 4  # 3: the HBM walk charges in-place updates in multi-output fusions their update
+ANALYSIS_VERSION = 5  # 3: the HBM walk charges in-place updates in multi-output fusions their update
 # 4: the walk by category; tile padding, VMEM buffers, gathers/scatters by rows; overflow at expected passes
+# 5: expected overflow passes the mean over trained routers' measured loads (compile/overflow.py); an in-place
+# scatter one fusion deep (TPU's scatter_custom_fusion) charged its rows
 
 
 def analyse(report: CompileReport, program_flops_by_kind: dict[str, float] | None, hlo_text: str | None,
             pallas_fill: float = 1.0, conventional_flops: float | None = None,
-            overflow_passes: tuple[int, int] = (1, 1)) -> CompileReport:
+            overflow_passes: tuple[float, int] = (1, 1)) -> CompileReport:
     """`report` with the program's FLOPs, the HBM traffic and executed collectives of its compiled HLO
     (when given), and the roofline step time with the two MFUs it implies.
 
