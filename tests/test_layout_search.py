@@ -95,7 +95,9 @@ def test_of_the_first_fitting_layout_the_exchange_with_the_lower_roofline_step_w
     result = ls.search_layout(run, compile_fn, SMELT16_POLICY, cache_dir=tmp_path)
     assert result.chosen.remat == "dots" and result.chosen.exchange == "ring"
     assert result.report.step_seconds == 0.25
-    assert [label.rsplit(",", 1)[-1] for label, _ in result.tried][-2:] == ["remat=dots", "exchange=ring"]
+    assert [label.split(",")[-2:] for label, _ in result.tried] == [
+        [f"remat={remat}", "exchange=ring"] if ring else ["tensor=1", f"remat={remat}"]
+        for remat in ("none", "dots", "full") for ring in (False, True)]  # every remat, both exchanges
     document = json.loads(ls.layouts_document([result], "smelt16"))
     assert document["layouts"]["100m/s95/smelt"]["exchange"] == "ring"  # recorded with the layout
     assert load_layouts_text(document)["100m/s95/smelt"].with_exchange(run.model).expert_exchange == "ring"
@@ -103,6 +105,25 @@ def test_of_the_first_fitting_layout_the_exchange_with_the_lower_roofline_step_w
     padded = ls.search_layout(run, compile_fn, SMELT16_POLICY, cache_dir=tmp_path / "again")
     assert padded.chosen.exchange == "auto" and "exchange" not in padded.chosen.to_dict()
     assert padded.chosen.with_exchange(run.model) == run.model
+
+
+def test_every_remat_that_fits_is_compiled_and_the_lowest_roofline_step_wins(tmp_path):
+    """HBM-bound steps can be cheaper with recomputation: remat is chosen by step, not by fit alone."""
+    run = _run("100m/s95/baseline")
+    steps = {("none", "auto"): 0.130, ("none", "ring"): 0.117, ("dots", "auto"): 0.125,
+             ("dots", "ring"): 0.112, ("full", "auto"): 0.126, ("full", "ring"): 0.111}
+    calls = []
+
+    def compile_fn(run_, slice_name, layout, remat, hlo_path=None):
+        r = _fake_compiler(lambda p: True, calls)(run_, slice_name, layout, remat)
+        return dataclasses.replace(r, step_seconds=steps[(remat, layout.exchange)])
+
+    result = ls.search_layout(run, compile_fn, SMELT16_POLICY, cache_dir=tmp_path)
+    assert [remat for _, remat in calls] == ["none", "none", "dots", "dots", "full", "full"]
+    assert (result.chosen.remat, result.chosen.exchange) == ("full", "ring") and result.report.step_seconds == 0.111
+    steps[("full", "ring")] = steps[("dots", "ring")]  # a tie: the earlier (cheaper to compile, less memory)
+    tie = ls.search_layout(run, compile_fn, SMELT16_POLICY, cache_dir=tmp_path / "tie")
+    assert (tie.chosen.remat, tie.chosen.exchange) == ("dots", "ring")
 
 
 def load_layouts_text(document):
@@ -238,13 +259,13 @@ def test_compile_suite_is_resumable_and_writes_the_table_and_layouts(tmp_path):
                               trace_fn=trace_fn, libtpu=(True, ""), log=lines.append)
     assert report.fitted == 2 and [r.key for r in report.results] == ["100m/s0/baseline", "200m/s97/smelt"]
     assert lines[0].startswith("[1/2] 200m/s97/smelt on v5p-128")  # the priority order
-    assert len(calls) == 8 and report.written == (md, layouts)
+    assert len(calls) == 12 and report.written == (md, layouts)  # 2 configurations x 3 remats x 2 exchanges
     assert "smelt compile-report --suite smelt16 --out" in md.read_text()
     first = layouts.read_text()
     # Without libtpu nothing compiles: the cache alone gives the same layouts.
     again = ls.compile_suite(runs, SMELT16_POLICY, suite="smelt16", cache_dir=tmp_path / "cache",
                              json_out=layouts, compile_fn=compile_fn, trace_fn=trace_fn,
                              libtpu=(False, "no libtpu here"))
-    assert len(calls) == 8 and layouts.read_text() == first and again.summary().startswith("2 of 2")
+    assert len(calls) == 12 and layouts.read_text() == first and again.summary().startswith("2 of 2")
     with pytest.raises(ValueError, match="not a scale or key"):
         ls.compile_suite(runs, SMELT16_POLICY, suite="smelt16", only=["9b"], libtpu=(False, ""))

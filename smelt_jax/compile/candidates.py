@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from smelt_jax.descriptors import Parallelism, RunSpec
 from smelt_jax.hardware import parse_slice
 
-REMAT_ORDER = ("none", "dots", "full")  # fastest first: the first that fits wins
+REMAT_ORDER = ("none", "dots", "full")  # compile order; of those that fit the lowest roofline step wins
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +44,8 @@ def candidates(run: RunSpec, slice_name: str, expert_axis_sizes: Sequence[int] =
                exchanges: Sequence[str] = ("auto",)) -> list[Candidate]:
     """Ordered candidate layouts for `run` on `slice_name`: expert over each of `expert_axis_sizes`,
     fsdp over the largest share of the rest that divides d_model, data over what is left; remat none ->
-    dots -> full, each with every one of `exchanges` (adjacent: the search compares them). Expert sizes
+    dots -> full, each with every one of `exchanges` (one expert size's candidates are adjacent: the
+    search compares them). Expert sizes
     that do not divide the expert count or the chip count are skipped.
 
     fsdp must divide d_model (the `embed` dimension it shards): otherwise `fit_spec` replicates every

@@ -6,7 +6,8 @@ depend on depth, and a Python loop on CPU (`Decoder.layer_loop`, kernels/backend
 (loop_repeats, 2-4) are a Python loop in training, each visit its own scan over the looped layers: a scan
 of visits around the layer scan would stack each visit's saved activations a second time ([visits,
 layers, ...] filled from [layers, ...]: every residual written and read twice; with the router's
-one-hot, the 100M S95 SMELT program's residual stacks fell 121.4 -> 59.2 GB: docs/performance.md). Decoding with a cache keeps the visits a scan of the layer loop's kind.
+one-hot, the 100M S95 SMELT program's residual stacks fell 121.4 -> 59.2 GB: docs/performance.md).
+Decoding with a cache keeps the visits a scan of the layer loop's kind.
 Inside the loop both residual writes are scaled by 1/loop_repeats.
 """
 
