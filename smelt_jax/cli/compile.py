@@ -81,8 +81,9 @@ def register_report(subparsers) -> None:
     p = subparsers.add_parser(
         "compile-report", help="choose a TPU layout for every suite configuration by AOT compiles",
         description="For each configuration, compile candidate layouts for its scale's slice and keep, of "
-                    "those that fit HBM with headroom, the one with the lowest roofline step. Results are cached per compile under "
-                    "data_cache/compile_report/, so an interrupted report resumes where it stopped.")
+                    "those that fit HBM with headroom, the one with the lowest roofline step. Results are "
+                    "cached per compile under data_cache/compile_report/, so an interrupted report resumes "
+                    "where it stopped.")
     p.add_argument("--suite", default="smelt16", help="smelt16 (default) or ablations200m")
     p.add_argument("--out", help="markdown file whose generated table section is (re)written")
     p.add_argument("--costs-out", help="markdown file whose generated pair-cost section (chip-hours of each "

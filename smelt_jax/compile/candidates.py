@@ -45,8 +45,8 @@ def candidates(run: RunSpec, slice_name: str, expert_axis_sizes: Sequence[int] =
     """Ordered candidate layouts for `run` on `slice_name`: expert over each of `expert_axis_sizes`,
     fsdp over the largest share of the rest that divides d_model, data over what is left; remat none ->
     dots -> full, each with every one of `exchanges` (one expert size's candidates are adjacent: the
-    search compares them). Expert sizes
-    that do not divide the expert count or the chip count are skipped.
+    search compares them). Expert sizes that do not divide the expert count or the chip count are
+    skipped.
 
     fsdp must divide d_model (the `embed` dimension it shards): otherwise `fit_spec` replicates every
     weight over fsdp (measured: 1.6B S97 SMELT, d 1848, needed 133-143 GB per chip at fsdp 16 and 32).
