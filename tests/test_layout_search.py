@@ -61,9 +61,9 @@ def test_search_keeps_the_first_fitting_candidate_and_resumes_from_the_cache(tmp
     compile_fn = _fake_compiler(lambda p: p.remat == "full", calls)
     first = ls.search_layout(run, compile_fn, SMELT16_POLICY, cache_dir=tmp_path)
     assert first.status == "fits" and first.chosen.remat == "full"
-    # each remat with both exchanges (the default, then the ring)
-    assert [remat for _, remat in calls] == ["none", "none", "dots", "dots", "full", "full"]
-    assert [outcome.split(" ")[0] for _, outcome in first.tried] == ["out", "out", "out", "out", "fits", "fits"]
+    # each exchange (the default, then the ring) down the remats to the first that fits
+    assert [remat for _, remat in calls] == ["none", "dots", "full", "none", "dots", "full"]
+    assert [outcome.split(" ")[0] for _, outcome in first.tried] == ["out", "out", "fits"] * 2
     # A second report run compiles nothing and gives the same answer.
     again = ls.search_layout(run, compile_fn, SMELT16_POLICY, cache_dir=tmp_path)
     assert len(calls) == 6 and again.chosen == first.chosen and again.report == first.report
@@ -81,7 +81,7 @@ def test_a_layout_the_compiler_accepts_but_without_headroom_is_not_chosen(tmp_pa
 
     result = ls.search_layout(run, tight, SMELT16_POLICY, cache_dir=tmp_path)
     assert result.chosen.remat == "full"
-    assert [o.split(" (")[0] for _, o in result.tried] == ["over 95% of HBM"] * 4 + ["fits"] * 2
+    assert [o.split(" (")[0] for _, o in result.tried] == ["over 95% of HBM", "over 95% of HBM", "fits"] * 2
 
 
 def test_of_the_first_fitting_layout_the_exchange_with_the_lower_roofline_step_wins(tmp_path):
@@ -95,9 +95,10 @@ def test_of_the_first_fitting_layout_the_exchange_with_the_lower_roofline_step_w
     result = ls.search_layout(run, compile_fn, SMELT16_POLICY, cache_dir=tmp_path)
     assert result.chosen.remat == "dots" and result.chosen.exchange == "ring"
     assert result.report.step_seconds == 0.25
+    # both exchanges to their first fitting remat, then the winner's next remat (it does not fit: stop)
     assert [label.split(",")[-2:] for label, _ in result.tried] == [
-        [f"remat={remat}", "exchange=ring"] if ring else ["tensor=1", f"remat={remat}"]
-        for remat in ("none", "dots", "full") for ring in (False, True)]  # every remat, both exchanges
+        ["tensor=1", "remat=none"], ["tensor=1", "remat=dots"], ["remat=none", "exchange=ring"],
+        ["remat=dots", "exchange=ring"], ["remat=full", "exchange=ring"]]
     document = json.loads(ls.layouts_document([result], "smelt16"))
     assert document["layouts"]["100m/s95/smelt"]["exchange"] == "ring"  # recorded with the layout
     assert load_layouts_text(document)["100m/s95/smelt"].with_exchange(run.model).expert_exchange == "ring"
@@ -107,7 +108,7 @@ def test_of_the_first_fitting_layout_the_exchange_with_the_lower_roofline_step_w
     assert padded.chosen.with_exchange(run.model) == run.model
 
 
-def test_every_remat_that_fits_is_compiled_and_the_lowest_roofline_step_wins(tmp_path):
+def test_the_winning_exchange_walks_the_remats_while_the_step_falls(tmp_path):
     """HBM-bound steps can be cheaper with recomputation: remat is chosen by step, not by fit alone."""
     run = _run("100m/s95/baseline")
     steps = {("none", "auto"): 0.130, ("none", "ring"): 0.117, ("dots", "auto"): 0.125,
@@ -119,11 +120,31 @@ def test_every_remat_that_fits_is_compiled_and_the_lowest_roofline_step_wins(tmp
         return dataclasses.replace(r, step_seconds=steps[(remat, layout.exchange)])
 
     result = ls.search_layout(run, compile_fn, SMELT16_POLICY, cache_dir=tmp_path)
-    assert [remat for _, remat in calls] == ["none", "none", "dots", "dots", "full", "full"]
+    # 100M S95 Baseline's measured steps: none for both exchanges, then dots and full of the ring: 4 compiles
+    assert [(remat, ex) for (remat, ex) in _labels(result)] == [
+        ("none", "auto"), ("none", "ring"), ("dots", "ring"), ("full", "ring")]
     assert (result.chosen.remat, result.chosen.exchange) == ("full", "ring") and result.report.step_seconds == 0.111
     steps[("full", "ring")] = steps[("dots", "ring")]  # a tie: the earlier (cheaper to compile, less memory)
     tie = ls.search_layout(run, compile_fn, SMELT16_POLICY, cache_dir=tmp_path / "tie")
     assert (tie.chosen.remat, tie.chosen.exchange) == ("dots", "ring")
+    # 100M S0 SMELT's measured shape: dots best, full worse
+    steps.update({("none", "auto"): 0.30, ("none", "ring"): 0.199, ("dots", "ring"): 0.194,
+                  ("full", "ring"): 0.198})
+    s0 = ls.search_layout(run, compile_fn, SMELT16_POLICY, cache_dir=tmp_path / "s0")
+    assert (s0.chosen.remat, s0.report.step_seconds) == ("dots", 0.194) and len(s0.tried) == 4
+    steps[("dots", "ring")] = 0.205  # dots slower than none: the walk stops, full is never compiled
+    early = ls.search_layout(run, compile_fn, SMELT16_POLICY, cache_dir=tmp_path / "early")
+    assert _labels(early) == [("none", "auto"), ("none", "ring"), ("dots", "ring")]
+    assert (early.chosen.remat, early.report.step_seconds) == ("none", 0.199)
+
+
+def _labels(result):
+    """(remat, exchange) of each candidate the search tried, in order."""
+    out = []
+    for label, _ in result.tried:
+        fields = dict(part.split("=") for part in label.split(","))
+        out.append((fields["remat"], fields.get("exchange", "auto")))
+    return out
 
 
 def load_layouts_text(document):
@@ -259,13 +280,64 @@ def test_compile_suite_is_resumable_and_writes_the_table_and_layouts(tmp_path):
                               trace_fn=trace_fn, libtpu=(True, ""), log=lines.append)
     assert report.fitted == 2 and [r.key for r in report.results] == ["100m/s0/baseline", "200m/s97/smelt"]
     assert lines[0].startswith("[1/2] 200m/s97/smelt on v5p-128")  # the priority order
-    assert len(calls) == 12 and report.written == (md, layouts)  # 2 configurations x 3 remats x 2 exchanges
+    # per configuration: auto none, dots (fits); ring none, dots (fits, no faster); auto full (no fit: stop)
+    assert len(calls) == 10 and report.written == (md, layouts)
     assert "smelt compile-report --suite smelt16 --out" in md.read_text()
     first = layouts.read_text()
     # Without libtpu nothing compiles: the cache alone gives the same layouts.
     again = ls.compile_suite(runs, SMELT16_POLICY, suite="smelt16", cache_dir=tmp_path / "cache",
                              json_out=layouts, compile_fn=compile_fn, trace_fn=trace_fn,
                              libtpu=(False, "no libtpu here"))
-    assert len(calls) == 12 and layouts.read_text() == first and again.summary().startswith("2 of 2")
+    assert len(calls) == 10 and layouts.read_text() == first and again.summary().startswith("2 of 2")
     with pytest.raises(ValueError, match="not a scale or key"):
         ls.compile_suite(runs, SMELT16_POLICY, suite="smelt16", only=["9b"], libtpu=(False, ""))
+
+
+def test_the_ledger_lets_a_report_resume_on_another_machine(tmp_path):
+    """The committed ledger stands in for a missing cache: a clone compiles nothing already recorded;
+    records of another analysis version are compiled again; a damaged line is a clear error."""
+    from smelt_jax.compile.program_flops import ProgramFlops
+    from smelt_jax.compile.results_ledger import Ledger, results_file
+    from smelt_jax.errors import UsageError
+
+    assert results_file(LAYOUTS_FILE).name == "compile_results.jsonl"
+    assert results_file(LAYOUTS_FILE.with_name("layouts_ablations200m.json")).name == \
+        "compile_results_ablations200m.jsonl"
+    runs = [_run("100m/s95/baseline"), _run("100m/s95/smelt")]
+    calls = []
+    fake = _fake_compiler(lambda p: True, calls)
+    steps = {"auto": 0.30, "ring": 0.25}
+
+    def compile_fn(run_, slice_name, layout, remat, hlo_path=None):
+        r = fake(run_, slice_name, layout, remat)
+        step = steps[layout.exchange] - 0.01 * ("none", "dots", "full").index(remat)
+        return dataclasses.replace(r, step_seconds=step, analysis_version=cr.ANALYSIS_VERSION,
+                                   hbm_top=[{"name": "fusion.1"}])
+
+    def trace_fn(run_, slice_name, layout, remat):
+        return ProgramFlops(64 * 40e12, {"dot_general": 64 * 40e12}, 0, 0), 1.0
+
+    ledger_file, layouts = tmp_path / "compile_results.jsonl", tmp_path / "layouts.json"
+    kwargs = dict(suite="smelt16", json_out=layouts, results_out=ledger_file, compile_fn=compile_fn,
+                  trace_fn=trace_fn, libtpu=(True, ""))
+    first = ls.compile_suite(runs, SMELT16_POLICY, cache_dir=tmp_path / "cache", **kwargs)
+    assert len(calls) == 8 and ledger_file in first.written  # 4 compiles per configuration
+    lines = ledger_file.read_text().splitlines()
+    assert len(lines) == 8 and lines == sorted(lines, key=lambda line: json.loads(line)["name"])
+    assert all("hbm_top" not in json.loads(line)["report"] for line in lines)  # kept small
+    chosen = layouts.read_text()
+    # Another machine: an empty cache, the ledger from git. Nothing compiles; the same choice.
+    second = ls.compile_suite(runs, SMELT16_POLICY, cache_dir=tmp_path / "fresh", **kwargs)
+    assert len(calls) == 8 and layouts.read_text() == chosen
+    assert [r.chosen for r in second.results] == [r.chosen for r in first.results]
+    assert ledger_file.read_text().splitlines() == lines  # rewritten byte for byte
+    # A record analysed by another version does not count: that candidate is compiled again.
+    stale = [json.loads(line) for line in lines]
+    stale[0]["report"]["analysis_version"] = cr.ANALYSIS_VERSION - 1
+    ledger_file.write_text("".join(json.dumps(r) + "\n" for r in stale))
+    assert Ledger.load(ledger_file).get(stale[0]["name"]) is None
+    ls.compile_suite(runs, SMELT16_POLICY, cache_dir=tmp_path / "fresh2", **kwargs)
+    assert len(calls) == 9
+    ledger_file.write_text(lines[0] + "\n{not json\n")
+    with pytest.raises(UsageError, match=r"compile_results.jsonl:2: not a compile record"):
+        Ledger.load(ledger_file)

@@ -62,16 +62,19 @@ def cmd_compile_report(args) -> int:
     from smelt_jax.compile import layout_search as ls
 
     from smelt_jax.compile.checkpoint_cadence import cadence_file
+    from smelt_jax.compile.results_ledger import results_file
 
     json_out = placement.layouts_file(args.suite) if args.json_out is None else args.json_out
     cadence_out = cadence_file(placement.layouts_file(args.suite)) if args.cadence_out is None else args.cadence_out
+    results_out = results_file(placement.layouts_file(args.suite)) if args.results_out is None else args.results_out
     report = ls.compile_suite(
         experiments.load_suite(args.suite), placement.search_policy(args.suite), suite=args.suite,
         only=args.only or (), time_budget=args.time_budget, cached_only=args.cached_only,
         cache_dir=Path(args.cache_dir) if args.cache_dir else ls.CACHE_DIR,
         markdown_out=Path(args.out) if args.out else None, json_out=Path(json_out) if json_out else None,
         costs_out=Path(args.costs_out) if args.costs_out else None,
-        cadence_out=Path(cadence_out) if cadence_out else None, flop_savings=paper.CE_GAIN,
+        cadence_out=Path(cadence_out) if cadence_out else None,
+        results_out=Path(results_out) if results_out else None, flop_savings=paper.CE_GAIN,
         log=lambda line: print(line, file=sys.stderr, flush=True))
     print(report.summary())
     return 0
@@ -81,9 +84,11 @@ def register_report(subparsers) -> None:
     p = subparsers.add_parser(
         "compile-report", help="choose a TPU layout for every suite configuration by AOT compiles",
         description="For each configuration, compile candidate layouts for its scale's slice and keep, of "
-                    "those that fit HBM with headroom, the one with the lowest roofline step. Results are "
-                    "cached per compile under data_cache/compile_report/, so an interrupted report resumes "
-                    "where it stopped.")
+                    "those that fit HBM with headroom, the one with the lowest roofline step (each exchange at "
+                    "its first remat that fits, then the winner's further remats while the step falls). "
+                    "Results are cached per compile under data_cache/compile_report/ and recorded in the "
+                    "suite's ledger (experiments/compile_results.jsonl for smelt16), so an interrupted report "
+                    "resumes where it stopped, on this machine or a clone.")
     p.add_argument("--suite", default="smelt16", help="smelt16 (default) or ablations200m")
     p.add_argument("--out", help="markdown file whose generated table section is (re)written")
     p.add_argument("--costs-out", help="markdown file whose generated pair-cost section (chip-hours of each "
@@ -95,6 +100,10 @@ def register_report(subparsers) -> None:
                    help="checkpoint cadence file (steps between saves from the suite's interval in minutes and "
                         "each configuration's roofline step; default beside the layouts file, "
                         "experiments/checkpoint_cadence.json for smelt16); '' to skip")
+    p.add_argument("--results-out", default=None,
+                   help="ledger of every compile the search made (read to resume on another machine, then "
+                        "rewritten; default beside the layouts file, experiments/compile_results.jsonl for "
+                        "smelt16); '' to skip")
     p.add_argument("--only", nargs="+", metavar="SCALE_OR_KEY",
                    help="compile only these scales (100m) or keys (1.6b/s97/smelt); others use the cache")
     p.add_argument("--time-budget", type=float, metavar="SECONDS",

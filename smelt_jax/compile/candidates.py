@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from smelt_jax.descriptors import Parallelism, RunSpec
 from smelt_jax.hardware import parse_slice
 
-REMAT_ORDER = ("none", "dots", "full")  # compile order; of those that fit the lowest roofline step wins
+REMAT_ORDER = ("none", "dots", "full")  # compile order (layout_search.search_layout walks it)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,7 +19,7 @@ class SearchPolicy:
     scale_slices: Mapping[str, str]     # scale -> TPU slice; both members of a pair share one
     expert_axis_sizes: Sequence[int]    # candidate `expert` axis sizes, in order
     priority: Sequence[str] = ()        # layout keys compiled first; the rest in suite order
-    # expert exchanges compiled at the first remat that fits; the lowest roofline step wins
+    # expert exchanges compiled at their first remat that fits; the lowest roofline step wins
     exchanges: Sequence[str] = ("auto",)
 
     def slice_for(self, run: RunSpec) -> str:

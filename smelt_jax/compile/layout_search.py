@@ -2,12 +2,14 @@
 
 For each configuration, `search_layout` compiles the real train step (`report.compile_run`) for the
 slice its suite's placement gives its scale, with an ordered list of candidate layouts: for the first
-expert axis size where any fits with headroom (`fits_with_headroom`), every remat policy with every
-exchange, keeping the one with the lowest roofline step. (The steps are HBM-bound with compute to
-spare, so recomputing the forward can cost less than saving it: 100M S95 Baseline on v5p-128, remat
-none 0.117 s, dots 0.112 s; docs/performance.md.) Every compile result is cached as one JSON file
-under data_cache/compile_report/ (key: configuration content, slice, layout, remat, CACHE_VERSION), so
-an interrupted report resumes without recompiling what it already has. `compile_suite` is that
+expert axis size where any fits with headroom (`fits_with_headroom`), each exchange at its first remat
+that fits, then the winning exchange's further remats while each lowers the roofline step (the steps
+are HBM-bound with compute to spare, so recomputing the forward can cost less than saving it: 100M
+S95 Baseline on v5p-128, remat none 0.117 s, dots 0.112 s; docs/performance.md). Every compile
+result is cached as one JSON file under data_cache/compile_report/ (key: configuration content,
+slice, layout, remat, CACHE_VERSION), so an interrupted report resumes without recompiling what it
+already has, and recorded in the suite's ledger (`compile.results_ledger`), which travels with the
+repository, so it resumes on another machine too. `compile_suite` is that
 resumable loop over a suite (`smelt compile-report`); `render_table` turns the results into the
 markdown table of docs/parallelism.md; `layouts_document` into the suite's layouts file
 (experiments/layouts.json for smelt16).
@@ -33,6 +35,7 @@ from smelt_jax.compile.candidates import Candidate, SearchPolicy, candidates
 from smelt_jax.compile.breakdown import category_header, category_row
 from smelt_jax.compile.checkpoint_cadence import cadence_document, save_bytes
 from smelt_jax.compile.overflow import step_overflow_passes
+from smelt_jax.compile.results_ledger import Ledger, report_from_dict
 from smelt_jax.compile.report import (
     ANALYSIS_VERSION,
     CompileReport,
@@ -83,13 +86,6 @@ def hlo_path(cache_file: Path) -> Path:
     return cache_file.with_name(cache_file.name.removesuffix(".json") + ".hlo.gz")
 
 
-def _report_from_dict(data: dict[str, Any]) -> CompileReport:
-    fields = {f.name for f in dataclasses.fields(CompileReport)}
-    if "fits" in data and "peak_fits_hbm" not in data:  # cache files written before the rename
-        data = {**data, "peak_fits_hbm": data["fits"]}
-    return CompileReport(**{k: v for k, v in data.items() if k in fields})
-
-
 def _write_cache(path: Path, run: RunSpec, candidate: Candidate, report: CompileReport) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
@@ -98,12 +94,23 @@ def _write_cache(path: Path, run: RunSpec, candidate: Candidate, report: Compile
     tmp.replace(path)  # atomic: an interrupted write leaves no half file behind
 
 
+def is_cached(run: RunSpec, candidate: Candidate, cache_dir: Path = CACHE_DIR,
+              ledger: Ledger | None = None) -> bool:
+    """Whether `compile_cached` would answer without compiling."""
+    path = cache_path(run, candidate, cache_dir)
+    return path.exists() or (ledger is not None and ledger.get(path.name) is not None)
+
+
 def compile_cached(run: RunSpec, candidate: Candidate, compile_fn: Callable[..., CompileReport],
-                   cache_dir: Path = CACHE_DIR) -> tuple[CompileReport, bool]:
-    """(report, from_cache) for one candidate; compiles and writes the cache file when missing."""
+                   cache_dir: Path = CACHE_DIR, ledger: Ledger | None = None) -> tuple[CompileReport, bool]:
+    """(report, from_cache) for one candidate: the cache file, else the ledger's current record, else
+    compiled (and the cache file written)."""
     path = cache_path(run, candidate, cache_dir)
     if path.exists():
-        return _report_from_dict(json.loads(path.read_text())["report"]), True
+        return report_from_dict(json.loads(path.read_text())["report"]), True
+    recorded = ledger.get(path.name) if ledger is not None else None
+    if recorded is not None:
+        return recorded, True
     layout = candidate.layout
     report = compile_fn(run, layout.tpu_type, layout, remat=layout.remat, hlo_path=hlo_path(path))
     _write_cache(path, run, candidate, report)
@@ -163,46 +170,76 @@ class SearchResult:
 
 
 def search_layout(run: RunSpec, compile_fn: Callable[..., CompileReport], policy: SearchPolicy, *,
-                  cache_dir: Path = CACHE_DIR, skip_reason: str | None = None,
+                  cache_dir: Path = CACHE_DIR, ledger: Ledger | None = None, skip_reason: str | None = None,
                   log: Callable[[str], None] = lambda line: None) -> SearchResult:
-    """Try `candidates(run, policy.slice_for(run), ..., policy.exchanges)` in order (cached results
-    reused), an expert axis size at a time: of the first size with a layout that fits with headroom,
-    every remat policy and exchange is compiled and the fitting one with the lowest roofline step wins
-    (ties and unknown steps: the earlier).
+    """Search `candidates(run, policy.slice_for(run), ..., policy.exchanges)` (cached results reused),
+    an expert axis size at a time, in two stages:
 
-    With a `skip_reason` nothing is compiled: only cached results are used, and a layout's first
-    exchange without one stops the search with status 'not compiled (skip_reason)'; a later exchange
-    without one is left out of the comparison.
+    1. each exchange at the first remat (none -> dots -> full) that fits with headroom; the exchange
+       with the lowest roofline step wins (ties: the earlier in `policy.exchanges`);
+    2. at that exchange, the following remats in order while each lowers the step (the steps are
+       HBM-bound with compute to spare, so recomputing can cost less than saving: 100M S95 Baseline,
+       none 0.117 s, dots 0.112, full 0.111; S0 SMELT 0.199, 0.194, 0.198, docs/performance.md).
+
+    That is 4 compiles for a configuration whose 'none' fits (not the 6 of every pair), and the same
+    choice as comparing all six on the 100M pairs measured so far. The first expert size with a fitting
+    layout is kept. With a `skip_reason` nothing is compiled: only cached results are used; a missing
+    one of the first exchange stops the search with status 'not compiled (skip_reason)', of a later
+    exchange leaves it out of the comparison, of stage 2 ends the walk.
     """
     slice_name = policy.slice_for(run)
     tried: list[tuple[str, str]] = []
     last = None
+
+    def attempt(candidate: Candidate) -> CompileReport | None:
+        nonlocal last
+        if skip_reason is not None and not is_cached(run, candidate, cache_dir, ledger):
+            tried.append((candidate.label, f"not compiled ({skip_reason})"))
+            return None
+        start = time.perf_counter()
+        report, cached = compile_cached(run, candidate, compile_fn, cache_dir, ledger)
+        outcome = ("fits" if fits_with_headroom(report) else "out of memory" if not report.peak_fits_hbm
+                   else f"over {HBM_HEADROOM:.0%} of HBM") + (
+            " (cached)" if cached else f" ({time.perf_counter() - start:.0f} s)")
+        log(f"  {run_key(run)} {candidate.label}: {outcome}")
+        tried.append((candidate.label, outcome))
+        last = report
+        return report
+
+    def faster(report: CompileReport, than: CompileReport) -> bool:
+        return report.step_seconds is not None and (than.step_seconds is None
+                                                    or report.step_seconds < than.step_seconds)
+
     cands = candidates(run, slice_name, policy.expert_axis_sizes, policy.exchanges)
     for _, group in itertools.groupby(cands, key=lambda c: dataclasses.replace(c.layout, exchange="auto",
                                                                                remat="none")):
-        fitting = []
-        for i, candidate in enumerate(group):
-            if skip_reason is not None and not cache_path(run, candidate, cache_dir).exists():
-                if i:
-                    tried.append((candidate.label, f"not compiled ({skip_reason})"))
-                    continue
-                return SearchResult(run_key(run), run.id, slice_name, None, last, tuple(tried),
-                                    f"not compiled ({skip_reason})")
-            start = time.perf_counter()
-            report, cached = compile_cached(run, candidate, compile_fn, cache_dir)
-            outcome = ("fits" if fits_with_headroom(report) else "out of memory" if not report.peak_fits_hbm
-                       else f"over {HBM_HEADROOM:.0%} of HBM") + (
-                " (cached)" if cached else f" ({time.perf_counter() - start:.0f} s)")
-            log(f"  {run_key(run)} {candidate.label}: {outcome}")
-            tried.append((candidate.label, outcome))
-            last = report
-            if fits_with_headroom(report):
-                fitting.append((candidate, report))
-        if fitting:
-            candidate, report = min(fitting, key=lambda cr: (cr[1].step_seconds is None,
-                                                           cr[1].step_seconds or 0.0))
-            return SearchResult(run_key(run), run.id, slice_name, candidate.layout, report, tuple(tried),
-                                "fits")
+        group = list(group)
+        chains = [[c for c in group if c.layout.exchange == exchange] for exchange in policy.exchanges]
+        firsts = []  # (chain, position, candidate, report) of each exchange's first fitting remat
+        for n, chain in enumerate(chains):
+            for position, candidate in enumerate(chain):
+                report = attempt(candidate)
+                if report is None:
+                    if n == 0:
+                        return SearchResult(run_key(run), run.id, slice_name, None, last, tuple(tried),
+                                            f"not compiled ({skip_reason})")
+                    break
+                if fits_with_headroom(report):
+                    firsts.append((chain, position, candidate, report))
+                    break
+        if not firsts:
+            continue
+        best = firsts[0]
+        for entry in firsts[1:]:
+            if faster(entry[3], best[3]):
+                best = entry
+        chain, position, candidate, report = best
+        for following in chain[position + 1:]:
+            next_report = attempt(following)
+            if next_report is None or not fits_with_headroom(next_report) or not faster(next_report, report):
+                break
+            candidate, report = following, next_report
+        return SearchResult(run_key(run), run.id, slice_name, candidate.layout, report, tuple(tried), "fits")
     return SearchResult(run_key(run), run.id, slice_name, None, last, tuple(tried), "does not fit")
 
 
@@ -377,8 +414,8 @@ def compile_suite(runs: Sequence[RunSpec], policy: SearchPolicy, *, suite: str,
                   only: Iterable[str] = (), time_budget: float | None = None, cached_only: bool = False,
                   cache_dir: Path = CACHE_DIR, markdown_out: Path | None = None,
                   json_out: Path | None = None, costs_out: Path | None = None,
-                  cadence_out: Path | None = None, command: str | None = None,
-                  flop_savings: dict | None = None,
+                  cadence_out: Path | None = None, results_out: Path | None = None,
+                  command: str | None = None, flop_savings: dict | None = None,
                   compile_fn: Callable[..., CompileReport] | None = None,
                   trace_fn: Callable[..., Any] | None = None,
                   libtpu: tuple[bool, str] | None = None,
@@ -391,7 +428,11 @@ def compile_suite(runs: Sequence[RunSpec], policy: SearchPolicy, *, suite: str,
     before program FLOPs and collectives were recorded get them (`complete_analysis`). Writes the
     markdown table section of `markdown_out`, the layouts file `json_out`, the pair-cost section of
     `costs_out` (`compile.pair_cost`, with `flop_savings` priced in chip-hours when given) and the
-    checkpoint cadence file `cadence_out` (`compile.checkpoint_cadence`) when given.
+    checkpoint cadence file `cadence_out` (`compile.checkpoint_cadence`) when given. With
+    `results_out`, compiles are also looked up in that ledger (`compile.results_ledger`: the committed
+    record that lets a report resume on another machine) and every compile of the suite's current
+    candidates is written to it after each configuration, records of candidates no longer searched
+    dropped.
     """
     from smelt_jax.compile import aot, report
 
@@ -404,6 +445,11 @@ def compile_suite(runs: Sequence[RunSpec], policy: SearchPolicy, *, suite: str,
     unknown = wanted - {r.scale for r in runs} - {run_key(r) for r in runs}
     if unknown:
         raise UsageError(f"--only {sorted(unknown)}: not a scale or key of suite {suite}")
+    ledger = Ledger.load(results_out)
+    names = {run_key(run): [(c, cache_path(run, c, cache_dir)) for c in
+                            candidates(run, policy.slice_for(run), policy.expert_axis_sizes, policy.exchanges)]
+             for run in runs}
+    ledger.keep_only({path.name for listed in names.values() for _, path in listed})
     start = time.perf_counter()
     results = {}
     for i, run in enumerate(in_priority, 1):
@@ -420,11 +466,18 @@ def compile_suite(runs: Sequence[RunSpec], policy: SearchPolicy, *, suite: str,
                     "`make compile-report` resumes")
         log(f"[{i}/{len(in_priority)}] {key} on {policy.slice_for(run)} "
             f"({time.perf_counter() - start:.0f} s elapsed)" + (f": cached results only ({skip})" if skip else ""))
-        result = search_layout(run, compile_fn, policy, cache_dir=cache_dir, skip_reason=skip, log=log)
+        result = search_layout(run, compile_fn, policy, cache_dir=cache_dir, ledger=ledger, skip_reason=skip,
+                               log=log)
         if available:  # program FLOPs and collectives for reports cached before they were recorded
             result = complete_analysis(run, result, trace_fn, cache_dir)
         log(f"  -> {result.status}")
         results[key] = result
+        if results_out:  # after every configuration: an interrupted report loses no compile
+            for candidate, path in names[key]:
+                if path.exists():
+                    data = json.loads(path.read_text())
+                    ledger.add(path.name, key, data["candidate"], report_from_dict(data["report"]))
+            ledger.write()
     in_order = tuple(results[run_key(r)] for r in runs)
     written = []
     if markdown_out:
@@ -449,4 +502,8 @@ def compile_suite(runs: Sequence[RunSpec], policy: SearchPolicy, *, suite: str,
         Path(json_out).write_text(layouts_document(in_order, suite))
         log(f"wrote {json_out}")
         written.append(Path(json_out))
+    if results_out:
+        ledger.write()
+        log(f"wrote {results_out}")
+        written.append(Path(results_out))
     return SuiteReport(in_order, time.perf_counter() - start, tuple(written))
