@@ -182,3 +182,25 @@ def test_the_compile_report_keeps_the_breakdown_and_prints_it_on_request():
     restored = cr.CompileReport(**{k: v for k, v in report.as_dict().items()
                                    if k not in ("flops_ratio", "program_ratio")})
     assert restored.breakdown() == report.breakdown()  # what the compile report's cache keeps
+
+
+def test_an_uninitialised_buffer_moves_nothing_and_a_zero_fill_writes_its_size():
+    """A scan's output stack allocated without a fill (XLA:TPU's `AllocateBuffer`, model/layer.py
+    `distinct_scan_lengths`) is free; the zero fill it replaces writes the whole stack."""
+    stack = 6 * 1024 * 256 * 2
+    text = """HloModule m, is_scheduled=true
+
+ENTRY %main (x: bf16[1024,256]) -> (bf16[6,1024,256], bf16[6,1024,256]) {
+  %x = bf16[1024,256]{1,0} parameter(0)
+  %zero = bf16[]{:T(256)} constant(0)
+  %alloc = bf16[6,1024,256]{2,1,0:T(8,128)(2,1)} custom-call(), custom_call_target="AllocateBuffer", metadata={op_name="broadcast.917"}
+  %fill = bf16[6,1024,256]{2,1,0:T(8,128)(2,1)} broadcast(%zero), dimensions={}
+  ROOT %t = (bf16[6,1024,256]{2,1,0}, bf16[6,1024,256]{2,1,0}) tuple(%alloc, %fill)
+}
+"""
+    charges = {c.name: c.bytes for c in walk(text)}
+    assert charges.get("alloc", 0) == 0 and charges["fill"] == stack + 2  # + the bf16 zero read
+    # any other custom-call (a Mosaic kernel) is still charged its operands and result
+    kernel = text.replace('custom-call(), custom_call_target="AllocateBuffer"',
+                          'custom-call(), custom_call_target="tpu_custom_call"')
+    assert {c.name: c.bytes for c in walk(kernel)}["alloc"] == stack

@@ -341,3 +341,25 @@ def test_the_ledger_lets_a_report_resume_on_another_machine(tmp_path):
     ledger_file.write_text(lines[0] + "\n{not json\n")
     with pytest.raises(UsageError, match=r"compile_results.jsonl:2: not a compile record"):
         Ledger.load(ledger_file)
+
+
+def test_a_cached_compile_analysed_by_an_older_walk_is_walked_again_from_its_hlo(tmp_path):
+    """Every candidate the search compares is analysed by the same walk: a cache file of an older
+    ANALYSIS_VERSION is re-analysed from the HLO kept beside it (no compile) and rewritten."""
+    from smelt_jax.compile.candidates import Candidate
+    from smelt_jax.compile.hbm_traffic import hbm_bytes
+    from tests.hlo_walk_samples import GATHER_SCATTER_HLO
+
+    run = _run("100m/s95/baseline")
+    calls = []
+    candidate = Candidate(ls.candidates(run, "v5p-128", (8,), ("ring",))[0].layout)
+    old = dataclasses.replace(_fake_compiler(lambda p: True, [])(run, "v5p-128", candidate.layout, "none"),
+                              analysis_version=cr.ANALYSIS_VERSION - 1, hbm_traffic_bytes=1.0)
+    path = ls.cache_path(run, candidate, tmp_path)
+    ls._write_cache(path, run, candidate, old)
+    cr.write_hlo(ls.hlo_path(path), GATHER_SCATTER_HLO)
+    report, cached = ls.compile_cached(run, candidate, _fake_compiler(lambda p: True, calls), tmp_path)
+    assert cached and not calls  # nothing compiled
+    assert report.analysis_version == cr.ANALYSIS_VERSION
+    assert report.hbm_traffic_bytes == pytest.approx(hbm_bytes(GATHER_SCATTER_HLO).total)
+    assert json.loads(path.read_text())["report"]["analysis_version"] == cr.ANALYSIS_VERSION  # rewritten

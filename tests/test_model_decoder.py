@@ -4,6 +4,7 @@ import itertools
 import re
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -260,3 +261,52 @@ def test_the_loop_visits_do_not_stack_saved_activations_twice():
     assert not [s for s in stacked_twice if s.count(",") >= 3], sorted(set(stacked_twice))[:5]
     per_visit = re.findall(rf"\[{cfg.loop_length},(?:{t},{d}|2,{SEQ},{d})\]", hlo)
     assert per_visit  # the layer scan's own residual stacks
+
+
+def test_scan_peels_make_every_scan_length_distinct():
+    from smelt_jax.model.layer import distinct_scan_lengths
+    # smelt16's SMELT stacks (prefix, visit, visit, suffix): 100M, 200M, 600M, 1.6B
+    assert distinct_scan_lengths([2, 5, 5, 3]) == [0, 0, 1, 0]
+    assert distinct_scan_lengths([3, 6, 6, 3]) == [0, 0, 1, 1]
+    assert distinct_scan_lengths([5, 10, 10, 5]) == [0, 0, 1, 1]
+    assert distinct_scan_lengths([7, 15, 15, 8]) == [0, 0, 1, 0]
+    assert distinct_scan_lengths([12]) == [0]  # a Baseline: one scan, nothing peeled
+    assert distinct_scan_lengths([4, 4, 4, 4]) == [0, 1, 2, 3]
+    assert distinct_scan_lengths([2, 2, 2]) == [0, 1, 1]  # stops at a length-1 remainder
+
+
+def _layer_scan_lengths(jaxpr, carry_shape) -> list[int]:
+    """Lengths of the scans in a jaxpr (at any depth) that carry an array of `carry_shape`: the layer
+    stacks, which carry the residual stream [b, s, d], not the scans inside a layer."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "scan":
+            first = eqn.params["num_consts"]
+            carries = eqn.invars[first:first + eqn.params["num_carry"]]
+            if any(tuple(v.aval.shape) == carry_shape for v in carries):
+                found.append(eqn.params["length"])
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            found += _layer_scan_lengths(sub, carry_shape)
+    return found
+
+
+def test_the_training_step_of_a_looped_model_has_no_two_scans_of_one_length():
+    """XLA:TPU zero-fills the stacked outputs of scans of equal length (their fills merge; the
+    integration tier reads the TPU program), so a looped model's visits get distinct scan lengths by
+    running leading layers outside the scan, with the same numbers (the scanned/unrolled test above)."""
+    cfg = TINY.replace(loop_start=2, loop_length=3, loop_repeats=3, n_layers=7)  # scans 2, 3, 3, 3, 2
+    model = Decoder(cfg, rngs=nnx.Rngs(0))
+    model.layer_loop = "scan"
+    graphdef, state = nnx.split(model)
+    tokens, segments, positions = _batch()
+
+    def loss(state):
+        logits, _ = nnx.merge(graphdef, state)(tokens, segments, positions)
+        return jnp.mean(logits.astype(jnp.float32) ** 2)
+
+    stream = (tokens.shape[0], tokens.shape[1], cfg.d_model)
+    forward = [n for n in _layer_scan_lengths(jax.make_jaxpr(loss)(state).jaxpr, stream) if n > 1]
+    # prefix 2 and the first visit 3 scanned; the later visits and the suffix peeled down to length 1
+    assert sorted(forward) == [2, 3]
+    backward = [n for n in _layer_scan_lengths(jax.make_jaxpr(jax.grad(loss))(state).jaxpr, stream) if n > 1]
+    assert sorted(backward) == [2, 2, 3, 3], backward  # each scan and its transpose

@@ -29,7 +29,8 @@ Refinements, also those of XLA's cost analysis, so that an op is charged what it
   `scatter` reads its indices and updates and writes the rows it updates (the updates' size);
 - instructions that move nothing are free: parameter, constant, get-tuple-element, tuple, bitcast,
   the `while` / `conditional` / `call` / `async-start` wrappers (the computations they run are walked),
-  after-all, partition-id; reducers (`to_apply`) and fused computations are parts of one instruction.
+  after-all, partition-id, and the `AllocateBuffer` custom-call (an uninitialised buffer: what XLA:TPU
+  makes of a scan's zero-filled output stack when no other scan's stacks share its shape); reducers (`to_apply`) and fused computations are parts of one instruction.
 Async pairs (`*-start` / `*-done`) are charged once: operands at the start, result at the done.
 Mosaic kernels (`custom-call`) are charged their operands and results: a lower bound for kernels that
 re-read an operand (splash reads each key block once per query block it meets).
@@ -59,6 +60,9 @@ ASYNC_WRAPPERS = frozenset({"async-start", "async-update", "async-done", "call-s
 SLICING_OPS = frozenset({"dynamic-slice", "slice", "gather"})
 IN_PLACE_OPS = frozenset({"dynamic-update-slice", "scatter"})
 _NAME = re.compile(r"%([\w.\-]+)")
+# An uninitialised buffer (a scan's stacked outputs, from its zero fill: model/layer.py,
+# `distinct_scan_lengths`): the compiler allocates it, nothing reads or writes HBM.
+_ALLOCATE = 'custom_call_target="AllocateBuffer"'
 _PARAMETER = re.compile(r"^(\d+)\)")
 
 
@@ -180,7 +184,7 @@ def instruction_bytes(instruction: Instruction, shapes: dict[str, str],
                       computations: dict[str, list[Instruction]]) -> float:
     """HBM bytes one execution of a top-level instruction moves (see the module docstring)."""
     op = instruction.op
-    if op in FREE_OPS or op in ASYNC_WRAPPERS:
+    if op in FREE_OPS or op in ASYNC_WRAPPERS or (op == "custom-call" and _ALLOCATE in instruction.rest):
         return 0.0
     names = operands(instruction)
     operand_bytes = [hbm_shape_bytes(shapes.get(name, "")) for name in names]

@@ -54,8 +54,9 @@ from smelt_jax.parallel.layout import run_key
 from smelt_jax.paths import checkout_root
 
 # Bump when the compiled program or the report's fields change: older cache files are then ignored.
-CACHE_VERSION = 4  # 2: Pallas lane tiles chosen to pad least; HLO kept. 3: splash + ragged defaults on TPU
+CACHE_VERSION = 5  # 2: Pallas lane tiles chosen to pad least; HLO kept. 3: splash + ragged defaults on TPU
 # 4: d and f one block in the expert kernels (kernels/gmm.py ONE_BLOCK_LANES); ring exchange candidates
+# 5: a looped model's scans of distinct lengths (model/layer.py distinct_scan_lengths; Baselines unchanged)
 CACHE_DIR = checkout_root() / "data_cache" / "compile_report"
 
 # A layout is kept when the compiler accepts it with its peak under HBM (`CompileReport.peak_fits_hbm`)
@@ -107,7 +108,11 @@ def compile_cached(run: RunSpec, candidate: Candidate, compile_fn: Callable[...,
     compiled (and the cache file written)."""
     path = cache_path(run, candidate, cache_dir)
     if path.exists():
-        return report_from_dict(json.loads(path.read_text())["report"]), True
+        report = report_from_dict(json.loads(path.read_text())["report"])
+        if report.analysis_version < ANALYSIS_VERSION and hlo_path(path).exists():
+            report = _reanalysed(run, report, read_hlo(hlo_path(path)))  # every candidate by one walk
+            _write_cache(path, run, candidate, report)
+        return report, True
     recorded = ledger.get(path.name) if ledger is not None else None
     if recorded is not None:
         return recorded, True
@@ -115,6 +120,19 @@ def compile_cached(run: RunSpec, candidate: Candidate, compile_fn: Callable[...,
     report = compile_fn(run, layout.tpu_type, layout, remat=layout.remat, hlo_path=hlo_path(path))
     _write_cache(path, run, candidate, report)
     return report, False
+
+
+def _reanalysed(run: RunSpec, report: CompileReport, hlo_text: str | None, by_kind: dict | None = None,
+                fill: float | None = None) -> CompileReport:
+    """`report` analysed again by the current `analyse` from its kept HLO and program FLOPs (`by_kind`:
+    all devices; default the report's own)."""
+    devices = parse_slice(report.slice).chips
+    if by_kind is None and report.program_flops_by_kind is not None:
+        by_kind = {kind: value * devices for kind, value in report.program_flops_by_kind.items()}
+    conventional = report.conventional_flops or conventional_train_flops(
+        run.model, run.schedule.tokens_per_step / devices)
+    return analyse(report, by_kind, hlo_text, pallas_fill=fill or report.pallas_fill or 1.0,
+                   conventional_flops=conventional, overflow_passes=step_overflow_passes(run, report.layout))
 
 
 def complete_analysis(run: RunSpec, result: SearchResult, trace_fn: Callable[..., Any],
@@ -138,19 +156,11 @@ def complete_analysis(run: RunSpec, result: SearchResult, trace_fn: Callable[...
              or report.checkpoint_bytes is None)
     if not (need_flops or need_hlo or stale):
         return result
-    by_kind, fill = None, report.pallas_fill or 1.0
+    by_kind, fill = None, None
     if need_flops:
         flops, fill = trace_fn(run, result.slice, result.chosen, remat=result.chosen.remat)
         by_kind = flops.by_kind
-    elif report.program_flops_by_kind is not None:
-        devices = parse_slice(report.slice).chips
-        by_kind = {kind: value * devices for kind, value in report.program_flops_by_kind.items()}
-    hlo_text = read_hlo(hlo) if hlo.exists() else None
-    devices = parse_slice(report.slice).chips
-    conventional = report.conventional_flops or conventional_train_flops(
-        run.model, run.schedule.tokens_per_step / devices)
-    report = analyse(report, by_kind, hlo_text, pallas_fill=fill, conventional_flops=conventional,
-                     overflow_passes=step_overflow_passes(run, report.layout))
+    report = _reanalysed(run, report, read_hlo(hlo) if hlo.exists() else None, by_kind, fill)
     report = dataclasses.replace(report, suite=run.suite, checkpoint_bytes=save_bytes(run))
     if report.flops_accounting is None:
         report = with_accounting(report, run, trace_fn)

@@ -20,7 +20,7 @@ from flax import nnx
 from smelt_jax.config import REMAT_POLICIES, ModelConfig
 from smelt_jax.kernels.backend import choose_layer_loop
 from smelt_jax.model.attention import INIT_STD, truncated_normal
-from smelt_jax.model.layer import loop_over, make_stack, run_stack
+from smelt_jax.model.layer import distinct_scan_lengths, loop_over, make_stack, run_stack
 from smelt_jax.model.norm import RMSNorm
 from smelt_jax.model.rope import rope_angles
 from smelt_jax.sharding import constrain, current_mesh, param
@@ -111,15 +111,16 @@ class Decoder(nnx.Module):
         loop = choose_layer_loop(self.layer_loop, mesh=current_mesh())
         run = {"shared_cache": shared_cache, "capture": capture, "remat": self.remat, "loop": loop}
         stats, captures, new_cache = {}, {}, {}
+        peels = iter(self._peels(training=cache is None))
         if self.prefix is not None:
             x, stats["prefix"], new_cache["prefix"], captures["prefix"] = run_stack(
-                self.prefix, x, context, 1.0, caches=_get(cache, "prefix"), **run)
+                self.prefix, x, context, 1.0, caches=_get(cache, "prefix"), peel=next(peels), **run)
         if self.loop is not None:
             scale = 1.0 / cfg.loop_repeats
 
             def visit(carry, visit_cache):
                 carry, visit_stats, visit_new_cache, visit_captures = run_stack(
-                    self.loop, carry, context, scale, caches=visit_cache, **run)
+                    self.loop, carry, context, scale, caches=visit_cache, peel=next(peels), **run)
                 return carry, (visit_stats, visit_new_cache, visit_captures)
 
             x, (stats["loop"], new_cache["loop"], captures["loop"]) = loop_over(
@@ -127,7 +128,7 @@ class Decoder(nnx.Module):
                 loop=loop if cache is not None else "unrolled")
         if self.suffix is not None:
             x, stats["suffix"], new_cache["suffix"], captures["suffix"] = run_stack(
-                self.suffix, x, context, 1.0, caches=_get(cache, "suffix"), **run)
+                self.suffix, x, context, 1.0, caches=_get(cache, "suffix"), peel=next(peels), **run)
         x = self.final_norm(x)
         aux = _aux(cfg, stats)
         if capture:
@@ -138,6 +139,15 @@ class Decoder(nnx.Module):
         else:
             new_cache = None
         return x, aux, new_cache
+
+
+    def _peels(self, training: bool) -> list[int]:
+        """Layers each scan runs unrolled first, in call order (prefix, each visit, suffix): distinct
+        scan lengths in training (`layer.distinct_scan_lengths`); none when decoding, whose visits
+        are one scan (the peel of its single visit body, traced once, is 0)."""
+        depths = [len(layers) for name, layers in stack_layers(self.cfg).items() if len(layers)
+                  for _ in range(self.cfg.loop_repeats if name == "loop" else 1)]
+        return distinct_scan_lengths(depths) if training else [0] * len(depths)
 
 
 def _get(cache: dict | None, name: str):

@@ -7,6 +7,8 @@ scale = 1 / loop_repeats inside the loop span and 1 outside (the paper's SMELT b
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -81,11 +83,35 @@ def make_stack(cfg: ModelConfig, n_layers: int, rngs: nnx.Rngs) -> Layer:
     return create(rngs)
 
 
+def distinct_scan_lengths(depths: Sequence[int]) -> list[int]:
+    """`peel` for each of a decoder's scans in order (`run_stack`): how many leading layers to run
+    outside the scan so that no two scans have the same length.
+
+    Why: JAX fills a scan's stacked outputs (the residuals saved for the backward, the per-layer weight
+    gradients) into buffers it initialises with zeros, and XLA:TPU's while-initializer-removal turns
+    that zero fill into an uninitialised allocation only when the fill has one loop as user. The fills
+    of two scans whose stacks have the same shape are merged into one instruction before that pass, so
+    every such stack is zero-filled, a write of its whole size per step (SMELT's two visits of its loop:
+    200M S97, 31 GB of 671 per device per step; docs/performance.md). A length-1 remainder is left alone.
+    Measured on a minimal two-scan program for v5p: 10 zero-filled stacks -> 0 with one layer peeled.
+    """
+    used: set[int] = set()
+    peels = []
+    for depth in depths:
+        peel = 0
+        while depth - peel > 1 and depth - peel in used:
+            peel += 1
+        used.add(depth - peel)
+        peels.append(peel)
+    return peels
+
+
 def run_stack(stack: Layer, x: jax.Array, context: dict, scale: float, *,
               caches: dict | None = None, shared_cache: dict | None = None, capture: bool = False,
-              remat: str = "none", loop: str = "scan"):
+              remat: str = "none", loop: str = "scan", peel: int = 0):
     """Run a stacked Layer over its leading axis: `loop` 'scan' (one compiled body for any depth) or
-    'unrolled' (a Python loop over the layers; `loop_over`).
+    'unrolled' (a Python loop over the layers; `loop_over`). With a scan, the first `peel` layers run
+    unrolled before it (`distinct_scan_lengths`); the outputs are the same.
 
     caches: per-layer {'k', 'v'} stacked [n, ...] or None; shared_cache: 'segment_ids', 'index'
     (the same for every layer). Returns (x, stats stacked [n, ...], caches or None, captures
@@ -105,7 +131,13 @@ def run_stack(stack: Layer, x: jax.Array, context: dict, scale: float, *,
     if remat != "none":
         body = jax.checkpoint(body, policy=REMAT_POLICIES[remat])
     depth = jax.tree.leaves(params)[0].shape[0]
-    x, (stats, new_caches, captures) = loop_over(body, x, (params, caches), length=depth, loop=loop)
+    xs = (params, caches)
+    if loop == "scan" and 0 < peel < depth:
+        x, head = loop_over(body, x, jax.tree.map(lambda a: a[:peel], xs), length=peel, loop="unrolled")
+        x, tail = loop_over(body, x, jax.tree.map(lambda a: a[peel:], xs), length=depth - peel, loop=loop)
+        stats, new_caches, captures = jax.tree.map(lambda h, t: jnp.concatenate([h, t]), head, tail)
+    else:
+        x, (stats, new_caches, captures) = loop_over(body, x, xs, length=depth, loop=loop)
     return x, stats, new_caches, captures
 
 
