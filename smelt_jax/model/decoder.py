@@ -7,7 +7,11 @@ depend on depth, and a Python loop on CPU (`Decoder.layer_loop`, kernels/backend
 of visits around the layer scan would stack each visit's saved activations a second time ([visits,
 layers, ...] filled from [layers, ...]: every residual written and read twice; with the router's
 one-hot, the 100M S95 SMELT program's residual stacks fell 121.4 -> 59.2 GB: docs/performance.md).
-Decoding with a cache keeps the visits a scan of the layer loop's kind.
+Decoding with a cache keeps the visits a scan of the layer loop's kind. In training no two scans have
+the same length: a later visit (and a suffix as long as the prefix) runs its first layers unrolled
+(`layer.distinct_scan_lengths`), because XLA:TPU zero-fills the saved-activation stacks of scans of
+equal length instead of allocating them (200M S97 SMELT: 51.6 GB of 670.7 walked per device per step;
+docs/performance.md).
 Inside the loop both residual writes are scaled by 1/loop_repeats.
 """
 
