@@ -21,6 +21,11 @@ calls and async wrappers run as often as their caller. It reports, per device:
   `is_scheduled=true`) runs it asynchronously with compute between its start and its done. The
   ring-of-experts exchange (model/ring_exchange.py) moves tokens with all-gather / reduce-scatter
   instead: those collectives count as the exchange when their op_name carries RING_MARK.
+XLA:TPU emits many reduce-scatters as a fusion around an all-reduce (emitter `AllReduceScatterFusion`,
+no metadata): that all-reduce is counted as the reduce-scatter it implements (its result the fusion's
+shard), and as the ring's (synchronous, so exposed) when it scatters an array shaped like a ring
+all-gather's result. Counted as an all-reduce of the padded input, the 200M S97 Baseline's ring
+reduce-scatters were twice their bytes as ordinary ICI and none of its exchange.
 """
 
 from __future__ import annotations
@@ -252,9 +257,46 @@ def _exchange_overlap(instructions: list[Instruction], computations: dict[str, l
     return out
 
 
+_SCATTER_FUSION = "AllReduceScatterFusion"  # XLA:TPU's emitter of a reduce-scatter as a fused all-reduce
+
+
+def _signature(shape: str) -> tuple[str, str] | None:
+    """(dtype, dims) of an array shape, layout left out: bf16[131072,1280]{1,0:T(8,128)} -> ('bf16', '131072,1280')."""
+    found = _ARRAY.search(shape)
+    return (found.group(1), found.group(2)) if found else None
+
+
+def _scatter_fusions(computations: dict[str, list[Instruction]]) -> dict[str, Instruction]:
+    """{called computation: the fusion} of every reduce-scatter XLA:TPU emitted as a fusion around an
+    all-reduce (backend_config emitter `...AllReduceScatterFusion`; its result is the device's shard).
+    The all-reduce inside is that reduce-scatter, not an all-reduce of the padded input."""
+    found = {}
+    for instructions in computations.values():
+        for instruction in instructions:
+            if instruction.op == "fusion" and _SCATTER_FUSION in instruction.rest:
+                called = dict(_callees(instruction)).get("calls")
+                if called and any(i.op.startswith("all-reduce") for i in computations.get(called, ())):
+                    found[called] = instruction
+    return found
+
+
+def _ring_gathers(computations: dict[str, list[Instruction]]) -> set[tuple[str, str] | None]:
+    """(dtype, dims) of the ring exchange's all-gather results: a reduce-scatter of such an array is the
+    ring's reduce-scatter (the all-gather's transpose), also when XLA emitted it as a fusion without the
+    exchange's metadata."""
+    found = set()
+    for instructions in computations.values():
+        for instruction in instructions:
+            if instruction.op in ("all-gather", "all-gather-done") and is_exchange(instruction):
+                found.add(_signature(instruction.shape))
+    return found
+
+
 def hlo_stats(text: str) -> HloStats:
     """Executed collectives, SparseCore offloads and loop trip counts of a compiled HLO module."""
     entry, computations = parse_module(text)
+    scatter_fusions = _scatter_fusions(computations)
+    ring_gathered = _ring_gathers(computations) - {None}
     runs, trips = execution_counts(entry, computations)
     static: dict[str, int] = defaultdict(int)
     counts: dict[str, float] = defaultdict(float)
@@ -275,24 +317,30 @@ def hlo_stats(text: str) -> HloStats:
     for name, instructions in computations.items():
         times = runs.get(name, 0.0)
         by_name = {i.name: i for i in instructions}
+        fusion = scatter_fusions.get(name)
         for instruction in instructions:
             if instruction.op == "call-start" and 'async_execution_thread="sparsecore"' in instruction.rest:
                 sparsecore += 1
             kind = instruction.op.removesuffix("-done")
             if instruction.op.endswith("-start") or kind not in COLLECTIVE_KINDS:
                 continue
-            static[kind] += 1
-            if not times:
-                continue
             source = instruction
             if instruction.op.endswith("-done"):  # the start carries the replica groups
                 start = re.findall(r"%([\w.\-]+)", instruction.rest.split(")", 1)[0])
                 source = by_name.get(start[0], instruction) if start else instruction
-            sent = times * shape_bytes(instruction.shape)
-            counts[kind] += times
-            result_bytes[kind] += sent
+            result = instruction.shape
             group = group_size(source)
             exchange = is_exchange(source) or is_exchange(instruction)
+            if fusion is not None and kind == "all-reduce":  # a reduce-scatter emitted as a fusion
+                kind, result = "reduce-scatter", fusion.shape
+                operand = next((i.shape for i in instructions if i.op == "parameter"), "")
+                exchange = exchange or _signature(operand) in ring_gathered
+            static[kind] += 1
+            if not times:
+                continue
+            sent = times * shape_bytes(result)
+            counts[kind] += times
+            result_bytes[kind] += sent
             factor = SEND_FACTOR[kind]
             if exchange and kind == "reduce-scatter":  # the ring's: its input, group x the result, is sent
                 factor *= group or partitions
@@ -301,8 +349,8 @@ def hlo_stats(text: str) -> HloStats:
             if exchange:
                 exchange_by_group[(kind, group)] += factor * sent
                 owner, start_name = async_owner.get(name, (name, source.name))
-                if not overlap.get(owner, {}).get(start_name, False):
-                    exposed += factor * sent
+                if fusion is not None or not overlap.get(owner, {}).get(start_name, False):
+                    exposed += factor * sent  # a fusion is synchronous: nothing overlaps it
     return HloStats(static_counts=dict(sorted(static.items())), collective_counts={k: int(round(v)) for k, v in sorted(counts.items())},
                     collective_bytes=dict(sorted(result_bytes.items())), send_bytes=send,
                     sparsecore_offloads=sparsecore, loop_trip_counts=tuple(trips),

@@ -133,11 +133,13 @@ class CompileReport:
 
 
 # Bump when `analyse` derives its fields differently: cached reports are then re-analysed (no recompile).
-ANALYSIS_VERSION = 6  # 3: the HBM walk charges in-place updates in multi-output fusions their update
+ANALYSIS_VERSION = 7  # 3: the HBM walk charges in-place updates in multi-output fusions their update
 # 4: the walk by category; tile padding, VMEM buffers, gathers/scatters by rows; overflow at expected passes
 # 5: expected overflow passes the mean over trained routers' measured loads (compile/overflow.py); an in-place
 # scatter one fusion deep (TPU's scatter_custom_fusion) charged its rows
 # 6: an `AllocateBuffer` custom-call (a scan's stack allocated without a fill) moves nothing
+# 7: a reduce-scatter XLA:TPU emits as a fusion around an all-reduce counts as a reduce-scatter, the
+# ring's (exposed) when it scatters a ring all-gather's shape (hlo_stats._scatter_fusions)
 
 
 def analyse(report: CompileReport, program_flops_by_kind: dict[str, float] | None, hlo_text: str | None,
