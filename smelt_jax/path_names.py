@@ -98,8 +98,8 @@ def check_inside(path, root, what: str):
 # "target" (eval, analyze) may be a run id or a folder: a file check. A new path-bearing option is added
 # here; tests/test_path_names.py fails on a parser option of these names that is not.
 ARGUMENT_CHECKS = {"suite": "name", "id": "run id", "out": "file", "hlo_out": "file", "costs_out": "file",
-                   "json_out": "file", "cadence_out": "file", "runs_dir": "file", "data_dir": "file",
-                   "target": "file", "config": "file", "store": "file", "input": "file", "cache_dir": "file",
+                   "json_out": "file", "cadence_out": "file", "results_out": "file", "runs_dir": "file",
+                   "data_dir": "file", "target": "file", "config": "file", "store": "file", "input": "file", "cache_dir": "file",
                    "corpus_dir": "file", "fit_dir": "file", "fits_dir": "file"}
 
 
