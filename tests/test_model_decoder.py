@@ -241,11 +241,8 @@ def test_bad_inputs_are_rejected(tiny_model):
         model(tokens[0], segments[0], positions[0])
 
 
-def test_the_loop_visits_do_not_stack_saved_activations_twice():
-    """With scanned layers (TPU's choice) the compiled gradient of a looped model holds each visit's own
-    layer scan: no array shaped [visits, looped layers, ...] (a residual stack filled from a per-visit
-    stack, every saved activation written and read twice), while each [layers, ...] stack is there."""
-    cfg = TINY.replace(loop_start=1, loop_length=3, loop_repeats=2, n_layers=5)
+def _scanned_loss(cfg):
+    """(loss of the model's state, that state, the tokens) for `cfg` with scanned layers (TPU's loop)."""
     model = Decoder(cfg, rngs=nnx.Rngs(0))
     model.layer_loop = "scan"
     graphdef, state = nnx.split(model)
@@ -255,6 +252,15 @@ def test_the_loop_visits_do_not_stack_saved_activations_twice():
         logits, _ = nnx.merge(graphdef, state)(tokens, segments, positions)
         return jnp.mean(logits.astype(jnp.float32) ** 2)
 
+    return loss, state, tokens
+
+
+def test_the_loop_visits_do_not_stack_saved_activations_twice():
+    """With scanned layers (TPU's choice) the compiled gradient of a looped model holds each visit's own
+    layer scan: no array shaped [visits, looped layers, ...] (a residual stack filled from a per-visit
+    stack, every saved activation written and read twice), while each [layers, ...] stack is there."""
+    cfg = TINY.replace(loop_start=1, loop_length=3, loop_repeats=2, n_layers=5)
+    loss, state, tokens = _scanned_loss(cfg)
     hlo = jax.jit(jax.grad(loss)).lower(state).compile().as_text()
     t, d = tokens.size, cfg.d_model
     stacked_twice = re.findall(rf"\[{cfg.loop_repeats},{cfg.loop_length},[0-9,]*\]", hlo)
@@ -295,14 +301,7 @@ def test_the_training_step_of_a_looped_model_has_no_two_scans_of_one_length():
     integration tier reads the TPU program), so a looped model's visits get distinct scan lengths by
     running leading layers outside the scan, with the same numbers (the scanned/unrolled test above)."""
     cfg = TINY.replace(loop_start=2, loop_length=3, loop_repeats=3, n_layers=7)  # scans 2, 3, 3, 3, 2
-    model = Decoder(cfg, rngs=nnx.Rngs(0))
-    model.layer_loop = "scan"
-    graphdef, state = nnx.split(model)
-    tokens, segments, positions = _batch()
-
-    def loss(state):
-        logits, _ = nnx.merge(graphdef, state)(tokens, segments, positions)
-        return jnp.mean(logits.astype(jnp.float32) ** 2)
+    loss, state, tokens = _scanned_loss(cfg)
 
     stream = (tokens.shape[0], tokens.shape[1], cfg.d_model)
     forward = [n for n in _layer_scan_lengths(jax.make_jaxpr(loss)(state).jaxpr, stream) if n > 1]
