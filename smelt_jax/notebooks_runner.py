@@ -65,7 +65,9 @@ def execute_notebook(source: Path, *, cwd: Path, timeout: int = 600, write: bool
 
     notebook = jupytext.read(source)
     notebook.metadata["kernelspec"] = {"name": KERNEL, "display_name": "Python 3", "language": "python"}
-    client = NotebookClient(notebook, kernel_name=KERNEL, timeout=timeout,
+    # startup_timeout: nbclient's default 60 s for the kernel to answer was missed on a loaded 2-core
+    # machine (the integration tier beside a TPU compile); a kernel that needs 5 minutes is broken.
+    client = NotebookClient(notebook, kernel_name=KERNEL, timeout=timeout, startup_timeout=300,
                             resources={"metadata": {"path": str(cwd)}})
     client.execute()
     if write:
