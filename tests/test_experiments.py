@@ -141,7 +141,9 @@ def test_every_suite_lists_as_before(capsys):
     changed once when ids stopped hashing the layout and started hashing the tokenizer kind (issue 24);
     the `nanolr` suite was added and the `nano` suite filled once its rates were set (issue 25); the
     HBM-roofline compile report (issue 23) moved 11 smelt16 rows' `parallelism.remat`, no id; the `nano2`
-    suite was appended (issue 42), every earlier row unchanged, and its two seed-1 ablation runs once chosen."""
+    suite was appended (issue 42), every earlier row unchanged, and its two seed-1 ablation runs once chosen;
+    issue 41's compile report chose the ring exchange for every smelt16 row (`parallelism.exchange`) and
+    moved 12 rows' `parallelism.remat`, no id."""
     assert cli_main(["experiments", "list", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     golden = json.loads(GOLDEN_LIST.read_text())
