@@ -138,11 +138,13 @@ def test_a_layout_records_its_exchange_without_changing_ids_at_auto():
     from smelt_jax.config import ConfigError
 
     run = next(r for r in experiments.load_suite("smelt16") if r.arch == "smelt")
-    assert "exchange" not in run.parallelism.to_dict()  # ids and compile-cache keys as before
-    ring = dataclasses.replace(run.parallelism, exchange="ring")
-    assert ring.to_dict()["exchange"] == "ring"
-    assert ring.with_exchange(run.model).expert_exchange == "ring"
-    assert run.parallelism.with_exchange(run.model) is run.model
+    assert run.parallelism.exchange == "ring"  # what the compile report chose (experiments/layouts.json)
+    assert run.model.expert_exchange == "auto"  # the model keeps 'auto'; the layout applies the exchange
+    auto = dataclasses.replace(run.parallelism, exchange="auto")
+    assert "exchange" not in auto.to_dict()  # compile-cache keys of padded layouts as before
+    assert run.parallelism.to_dict()["exchange"] == "ring"
+    assert run.parallelism.with_exchange(run.model).expert_exchange == "ring"
+    assert auto.with_exchange(run.model) is run.model
     with pytest.raises(ConfigError, match="exchange"):
         Parallelism(exchange="sparse")
 
