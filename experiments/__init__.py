@@ -6,7 +6,8 @@ Suites: `smelt16` (the paper's 16 matched pairs), `ablations200m` (loop span, de
 `micro` (the same structure, shrunk to train on a 2-core CPU), `ablationsmicro` (the ablations at micro
 scale), `smoke` (a subset of `micro`), `nano` (one sparsity, widths and tokens chosen so the law can be
 identified on a CPU), `nanolr` (its learning-rate sweep) and `nano2` (looping against reshaping at nano
-scale: docs/results-nano2.md).
+scale: docs/results-nano2.md) and `ladder` (where SMELT starts to win: a width ladder with
+seeds, docs/results-ladder.md).
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from smelt_jax.errors import AmbiguousName, UnknownName
 _BUILDERS = {"smelt16": ("smelt16", "build"), "ablations200m": ("ablations200m", "build"),
              "micro": ("micro", "build"), "ablationsmicro": ("ablationsmicro", "build"),
              "smoke": ("micro", "build_smoke"), "nano": ("nano", "build"),
-             "nanolr": ("nano", "build_lr_sweep"), "nano2": ("nano2", "build")}
+             "nanolr": ("nano", "build_lr_sweep"), "nano2": ("nano2", "build"),
+             "ladder": ("ladder", "build")}
 SUITE_NAMES = tuple(_BUILDERS)
 
 

@@ -61,9 +61,14 @@ def scale_name(width: int) -> str:
     return f"d{width}"
 
 
+def head_size(width: int) -> int:
+    """Head size of a width: 3 heads of d/3 rounded to an even size (RoPE); WIDTHS lists nano's own."""
+    return 2 * round(width / (2 * N_HEADS))
+
+
 def baseline_config(width: int, n_experts: int = EXPERTS) -> ModelConfig:
     return ModelConfig(vocab=VOCAB, d_model=width, n_layers=N_LAYERS, n_heads=N_HEADS,
-                       n_kv_heads=N_HEADS, head_dim=WIDTHS[width], n_experts=n_experts, top_k=TOP_K,
+                       n_kv_heads=N_HEADS, head_dim=head_size(width), n_experts=n_experts, top_k=TOP_K,
                        expert_ffn=2 * round(2 * width / 3), seq_len=SEQ_LEN)
 
 
@@ -114,14 +119,14 @@ def lr_rule(best: dict[tuple[str, int], float]) -> dict[tuple[str, int], float]:
     the largest width of the sweep, and a power law in the width between them,
     lr(d) = lr(d_lo) * (d / d_lo) ** (log(lr(d_hi) / lr(d_lo)) / log(d_hi / d_lo)), rounded to 2
     significant figures."""
+    return {(arch, width): rule_rate(best, arch, width) for arch in ("baseline", "smelt") for width in WIDTHS}
+
+
+def rule_rate(best: dict[tuple[str, int], float], arch: str, width: int) -> float:
+    """`lr_rule` at one width (also outside nano's widths: the `ladder` suite extends the power law)."""
     low, high = LR_WIDTHS
-    out = {}
-    for arch in ("baseline", "smelt"):
-        slope = math.log(best[arch, high] / best[arch, low]) / math.log(high / low)
-        for width in WIDTHS:
-            value = best[arch, low] * (width / low) ** slope
-            out[arch, width] = float(f"{value:.2g}")
-    return out
+    slope = math.log(best[arch, high] / best[arch, low]) / math.log(high / low)
+    return float(f"{best[arch, low] * (width / low) ** slope:.2g}")
 
 
 def build() -> list[RunSpec]:

@@ -143,7 +143,8 @@ def test_every_suite_lists_as_before(capsys):
     HBM-roofline compile report (issue 23) moved 11 smelt16 rows' `parallelism.remat`, no id; the `nano2`
     suite was appended (issue 42), every earlier row unchanged, and its two seed-1 ablation runs once chosen;
     issue 41's compile report chose the ring exchange for every smelt16 row (`parallelism.exchange`) and
-    moved 12 rows' `parallelism.remat`, no id."""
+    moved 12 rows' `parallelism.remat`, no id; the `ladder` suite was appended (issue 51), every earlier row
+    unchanged."""
     assert cli_main(["experiments", "list", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     golden = json.loads(GOLDEN_LIST.read_text())

@@ -67,5 +67,5 @@ def test_installed_wheel_gives_the_same_run_ids(wheel, tmp_path):
     assert not runs["checkout"]["file"].startswith(str(target))
     assert runs["wheel"]["ids"] == runs["checkout"]["ids"]
     # smelt16 32, ablations200m 19, micro 32, ablationsmicro 13, smoke 8, nano 10 (4 pairs + the seed-1
-    # pair), nanolr 16
-    assert sum(map(len, runs["wheel"]["ids"].values())) == 144  # nano2 (issue 42) added 14
+    # pair), nanolr 16, nano2 14 (issue 42), ladder 19 (issue 51)
+    assert sum(map(len, runs["wheel"]["ids"].values())) == 163
