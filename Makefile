@@ -54,7 +54,7 @@ fits: $(STAMP)  ## regenerate every fit, table and figure under fits/
 	$(PY) -m smelt_jax fits-all
 
 notebooks: $(STAMP)  ## execute every notebook on the committed results
-	$(PY) -m smelt_jax.notebooks_runner notebooks
+	$(PY) -m smelt_jax.analysis.notebooks_runner notebooks
 
 compile-report: $(STAMP) $(TPU_STAMP)  ## AOT-compile smelt16 for TPU slices; writes docs/parallelism.md and the pair costs of docs/tpu-quickstart.md
 	$(PY) -m smelt_jax compile-report --out docs/parallelism.md --costs-out docs/tpu-quickstart.md $(if $(BUDGET),--time-budget $(BUDGET))

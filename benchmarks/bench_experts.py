@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from smelt_jax.config import ModelConfig
+from smelt_jax.design.config import ModelConfig
 from smelt_jax.kernels.backend import EXPERT_BACKENDS, choose_expert_backend
 from smelt_jax.kernels.experts import expert_ffn
 from smelt_jax.kernels.tiled import tiled_expert_ffn

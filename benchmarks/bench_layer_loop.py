@@ -21,7 +21,7 @@ def _cases():
 
     from benchmarks.bench_peer import _synthetic_batch, matched_pair_specs
     from benchmarks.bench_step_parts import issue_step_inputs
-    from smelt_jax.config import Schedule
+    from smelt_jax.design.config import Schedule
     from smelt_jax.train.state import init_params
     from smelt_jax.train.step import optimizer
 

@@ -104,12 +104,12 @@ class Candidate:
 
 def step_flops_per_token(cfg) -> float:
     """6 N_executed (with the unembedding) + full attention over all seq_len keys, forward + backward."""
-    from smelt_jax import budget
+    from smelt_jax.design import budget
     return budget.train_flops_per_token(cfg, attended_keys=float(cfg.seq_len), include_unembedding=True)
 
 
 def issue_config(**changes):
-    from smelt_jax.config import ModelConfig
+    from smelt_jax.design.config import ModelConfig
     return ModelConfig(**{**SHAPES, **changes}, seq_len=SEQ)
 
 
@@ -146,7 +146,7 @@ def step_inputs(cfg, batch_size: int, **jit_kwargs) -> tuple:
     import jax
     import jax.numpy as jnp
 
-    from smelt_jax.config import Schedule
+    from smelt_jax.design.config import Schedule
     from smelt_jax.train.state import init_params
     from smelt_jax.train.step import make_train_step, optimizer
 
@@ -313,8 +313,8 @@ def measure(cands: list[Candidate], rounds: int = ROUNDS, steps: int = STEPS) ->
 
 
 def _budget_flops(cand: Candidate) -> float:
-    """6 N_executed + full attention, without the unembedding (smelt_jax.budget's convention)."""
-    from smelt_jax import budget
+    """6 N_executed + full attention, without the unembedding (smelt_jax.design.budget's convention)."""
+    from smelt_jax.design import budget
     return budget.train_flops_per_token(cand.cfg, attended_keys=float(cand.cfg.seq_len))
 
 

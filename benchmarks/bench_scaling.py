@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 def _table():
     from scaling_synthetic import smelt_table
 
-    from smelt_jax import paper
+    from smelt_jax.design import paper
 
     return smelt_table(paper.BASELINE_LAW, "baseline", noise=0.003, seed=0)
 

@@ -26,7 +26,7 @@ def issue_step_inputs():
     import jax
 
     from benchmarks.bench_peer import BATCH, _synthetic_batch, issue_config
-    from smelt_jax.config import Schedule
+    from smelt_jax.design.config import Schedule
     from smelt_jax.train.state import init_params
     from smelt_jax.train.step import optimizer
 

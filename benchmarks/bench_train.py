@@ -20,7 +20,7 @@ def run() -> str:
     import jax.numpy as jnp
 
     import experiments
-    from smelt_jax import budget as budget_lib
+    from smelt_jax.design import budget as budget_lib
     from smelt_jax.data.corpus import open_dataset
     from smelt_jax.data.pipeline import TrainPipeline
     from smelt_jax.train.state import init_params

@@ -111,7 +111,7 @@ def measure_trained(target: str, branch: int | None, group_tokens: int, groups: 
     import jax.numpy as jnp
 
     from smelt_jax.analysis.evaluate import load_model, run_corpus
-    from smelt_jax.config import Schedule
+    from smelt_jax.design.config import Schedule
     from smelt_jax.data.pipeline import TrainPipeline
 
     loaded = load_model(target, branch)

@@ -1,6 +1,6 @@
 """Experiment suites, built from code. `load_suite(name)` returns its runs; `find_run(id)` any run.
 
-The library reaches them through `smelt_jax.suites`, which importing this package fills (`register`).
+The library reaches them through `smelt_jax.design.suites`, which importing this package fills (`register`).
 
 Suites: `smelt16` (the paper's 16 matched pairs), `ablations200m` (loop span, depth, loop count),
 `micro` (the same structure, shrunk to train on a 2-core CPU), `ablationsmicro` (the ablations at micro
@@ -16,8 +16,8 @@ import difflib
 import functools
 import importlib
 
-from smelt_jax.descriptors import RunSpec
-from smelt_jax.errors import AmbiguousName, UnknownName
+from smelt_jax.design.descriptors import RunSpec
+from smelt_jax.platform.errors import AmbiguousName, UnknownName
 
 # suite -> (module of this package, builder function). A module that fails to import is an error
 # (with its traceback), never an "unknown suite".
@@ -71,10 +71,10 @@ def layouts_file(suite: str):
 
 
 def register() -> None:
-    """Fill the library's suite registry (`smelt_jax.suites`) with these suites."""
+    """Fill the library's suite registry (`smelt_jax.design.suites`) with these suites."""
     import sys
 
-    from smelt_jax import suites
+    from smelt_jax.design import suites
     suites.register(sys.modules[__name__])
 
 

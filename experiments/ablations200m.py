@@ -11,9 +11,9 @@
 from __future__ import annotations
 
 from experiments import smelt16
-from smelt_jax.config import ModelConfig, middle_loop, smelt_loop
-from smelt_jax.descriptors import RunSpec
-from smelt_jax.matching import match
+from smelt_jax.design.config import ModelConfig, middle_loop, smelt_loop
+from smelt_jax.design.descriptors import RunSpec
+from smelt_jax.design.matching import match
 
 SUITE = "ablations200m"
 SCALE, LABEL, EXPERTS = "200m", "s85", 64

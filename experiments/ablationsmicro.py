@@ -23,9 +23,9 @@ from __future__ import annotations
 import dataclasses
 
 from experiments import micro
-from smelt_jax.config import ModelConfig, Schedule, middle_loop, smelt_loop
-from smelt_jax.descriptors import RunSpec
-from smelt_jax.matching import Tolerances, match
+from smelt_jax.design.config import ModelConfig, Schedule, middle_loop, smelt_loop
+from smelt_jax.design.descriptors import RunSpec
+from smelt_jax.design.matching import Tolerances, match
 
 SUITE = "ablationsmicro"
 SCALE, LABEL, EXPERTS = "s", "s85", micro.BASELINE_EXPERTS[1]
@@ -110,7 +110,7 @@ def build() -> list[RunSpec]:
 
 
 def paper_point(sweep: str, variant: str, arch: str) -> tuple[str, int]:
-    """The point of the paper's grid (a key of `smelt_jax.paper.ABLATION_LOSS`) a micro point stands for:
+    """The point of the paper's grid (a key of `smelt_jax.design.paper.ABLATION_LOSS`) a micro point stands for:
     span m of 6 -> 2m of 12; depths by position (Baselines 5/6/8/9 -> 9/12/15/18, looped 4/5/6/7 ->
     8/10/12/14); loop counts as they are."""
     if sweep == "span":
@@ -128,9 +128,9 @@ def export_ablations(out_path, root=None) -> int:
     suite's and micro's results stores under `root` (scaling.endpoints.ABLATION_COLUMNS)."""
     import pandas as pd
 
-    from smelt_jax.errors import MissingInput
-    from smelt_jax.results import read_results
-    from smelt_jax.rundir import results_dir
+    from smelt_jax.platform.errors import MissingInput
+    from smelt_jax.run_files.results import read_results
+    from smelt_jax.run_files.rundir import results_dir
 
     stores = {suite: read_results(results_dir(suite, root)) for suite in (SUITE, "micro")}
     rows = []

@@ -20,9 +20,9 @@ rule extended by its own power law) and runs from one pinned worktree of the pre
 from __future__ import annotations
 
 from experiments import nano, nano2
-from smelt_jax.config import ModelConfig, smelt_loop
-from smelt_jax.descriptors import RunSpec
-from smelt_jax.matching import match, mismatch
+from smelt_jax.design.config import ModelConfig, smelt_loop
+from smelt_jax.design.descriptors import RunSpec
+from smelt_jax.design.matching import match, mismatch
 
 SUITE = "ladder"
 LABEL = nano.SPARSITY_LABEL

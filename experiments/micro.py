@@ -6,9 +6,9 @@ scales were chosen.
 
 from __future__ import annotations
 
-from smelt_jax.config import ModelConfig, Schedule, smelt_loop
-from smelt_jax.descriptors import RunSpec
-from smelt_jax.matching import SearchGrid, Tolerances, match
+from smelt_jax.design.config import ModelConfig, Schedule, smelt_loop
+from smelt_jax.design.descriptors import RunSpec
+from smelt_jax.design.matching import SearchGrid, Tolerances, match
 
 VOCAB = 512  # the byte-level tokenizer's vocabulary (smelt_jax.data.tokenizer), padded
 SEQ_LEN = 256

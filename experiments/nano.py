@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import math
 
-from smelt_jax.config import ModelConfig, Schedule, smelt_loop
-from smelt_jax.descriptors import RunSpec
-from smelt_jax.matching import SearchGrid, match
+from smelt_jax.design.config import ModelConfig, Schedule, smelt_loop
+from smelt_jax.design.descriptors import RunSpec
+from smelt_jax.design.matching import SearchGrid, match
 
 SUITE, LR_SUITE = "nano", "nanolr"
 VOCAB, SEQ_LEN, TOP_K = 512, 256, 2  # the embedded byte corpus, as micro

@@ -25,9 +25,9 @@ from __future__ import annotations
 import dataclasses
 
 from experiments import nano
-from smelt_jax.config import ModelConfig, middle_loop, smelt_loop
-from smelt_jax.descriptors import RunSpec
-from smelt_jax.matching import Tolerances, match, mismatch
+from smelt_jax.design.config import ModelConfig, middle_loop, smelt_loop
+from smelt_jax.design.descriptors import RunSpec
+from smelt_jax.design.matching import Tolerances, match, mismatch
 
 SUITE = "nano2"
 LABEL = nano.SPARSITY_LABEL

@@ -31,8 +31,8 @@ import json
 from pathlib import Path
 
 from smelt_jax.compile.candidates import SearchPolicy, candidates
-from smelt_jax.descriptors import Parallelism, RunSpec
-from smelt_jax.errors import UsageError
+from smelt_jax.design.descriptors import Parallelism, RunSpec
+from smelt_jax.platform.errors import UsageError
 from smelt_jax.parallel.layout import load_layouts, run_key
 
 HERE = Path(__file__).resolve().parent
@@ -99,7 +99,7 @@ def _content(run: RunSpec) -> str:
 def layouts(suite: str) -> dict[str, Parallelism]:
     """The suite's layout table: {layout key: Parallelism with tpu_type and remat set} for every run
     that has one ({} for the CPU suites: their runs keep their own layout)."""
-    from smelt_jax import suites  # this package, through the registry it fills (no import cycle)
+    from smelt_jax.design import suites  # this package, through the registry it fills (no import cycle)
 
     if suite == "smelt16":
         return smelt16_layouts()

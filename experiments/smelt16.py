@@ -8,10 +8,10 @@ rest (head size, head count, KV heads, expert width) against its Baseline's thre
 from __future__ import annotations
 
 from experiments.placement import smelt16_layouts
-from smelt_jax import paper
-from smelt_jax.config import ModelConfig, Schedule, smelt_loop
-from smelt_jax.descriptors import Parallelism, RunSpec
-from smelt_jax.matching import SearchGrid, match
+from smelt_jax.design import paper
+from smelt_jax.design.config import ModelConfig, Schedule, smelt_loop
+from smelt_jax.design.descriptors import Parallelism, RunSpec
+from smelt_jax.design.matching import SearchGrid, match
 from smelt_jax.parallel.layout import layout_key
 
 SUITE = "smelt16"

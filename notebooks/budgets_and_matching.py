@@ -2,7 +2,7 @@
 # # Budgets and matching explorer
 # Per-token training FLOPs, non-embedding parameters and KV cache per token of every run of a suite, the
 # matched pairs' ratios (SMELT / Baseline), and the paper's Appendix A numbers next to ours.
-# Everything comes from the suite descriptors (`experiments`) and `smelt_jax.budget` / `smelt_jax.paper`.
+# Everything comes from the suite descriptors (`experiments`) and `smelt_jax.design.budget` / `smelt_jax.design.paper`.
 
 # %% parameters
 import os
@@ -15,7 +15,7 @@ import matplotlib.pyplot as plt
 import pandas as pd
 
 import experiments
-from smelt_jax import paper
+from smelt_jax.design import paper
 
 runs = experiments.load_suite(SUITE)
 rows = []

@@ -29,7 +29,7 @@ else:
     from flax import nnx
 
     from smelt_jax.analysis.run_analysis import capture_rows
-    from smelt_jax.config import ModelConfig
+    from smelt_jax.design.config import ModelConfig
     from smelt_jax.model import Decoder
 
     cfg = ModelConfig(vocab=512, d_model=32, n_layers=3, n_heads=2, n_kv_heads=1, head_dim=16, n_experts=8,

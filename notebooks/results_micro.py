@@ -18,7 +18,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from smelt_jax import paper
+from smelt_jax.design import paper
 from smelt_jax.scaling import endpoints
 from smelt_jax.scaling.health import assess_fit
 from smelt_jax.scaling.io import load_coefficients

@@ -21,7 +21,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from smelt_jax.results import read_results
+from smelt_jax.run_files.results import read_results
 from smelt_jax.scaling import gains
 from smelt_jax.scaling.io import load_coefficients
 

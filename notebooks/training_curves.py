@@ -19,7 +19,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import pandas as pd
 
-from smelt_jax.results import read_results
+from smelt_jax.run_files.results import read_results
 from smelt_jax.train.metrics_log import latest_per_step, read_metrics
 
 suite_dir = Path(RUNS_DIR) / SUITE

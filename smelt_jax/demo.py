@@ -7,7 +7,7 @@ and write CE-gain tables and figures to `demo/<suite>/` (DEMO_ROOT, not under ve
 The committed `fits/<suite>/` is the reference made on the maintainers' machine and is not overwritten:
 training runs in float32 with the CPU's own vector kernels and thread count, so a demo on another
 machine trains to endpoints that differ in their last digits, and everything fitted from them differs
-accordingly. The fit itself is machine-independent (smelt_jax/fit_isa.py): `make fits` refits the
+accordingly. The fit itself is machine-independent (smelt_jax/platform/fit_isa.py): `make fits` refits the
 committed results.csv to the byte.
 
 Every step resumes: the corpus build verifies and keeps an existing corpus, the sweep skips finished
@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from smelt_jax.fit_isa import fit_command, fit_environment
+from smelt_jax.platform.fit_isa import fit_command, fit_environment
 from smelt_jax.scaling.endpoints import export_table, fit_points
 from smelt_jax.train.metrics_log import latest_per_step, read_metrics
 
@@ -71,8 +71,8 @@ def endpoint_checks(results: pd.DataFrame, root: Path | None = None) -> list[str
       (the mean of the last few logged steps there);
     - of two branches of one run, the longer should end lower.
     """
-    from smelt_jax.suites import find_run
-    from smelt_jax.rundir import run_dir
+    from smelt_jax.design.suites import find_run
+    from smelt_jax.run_files.rundir import run_dir
 
     problems = []
     for run_id, rows in results.groupby("run_id", sort=True):
@@ -135,7 +135,7 @@ def fit_warnings(out_dir: Path) -> list[str]:
 
 def fit_in_pinned_process(out_dir: Path) -> DemoReport:
     """`fit_and_report` run as `smelt fit-suite` in a fresh process whose CPU kernels are pinned
-    (smelt_jax/fit_isa.py): this process has loaded JAX for training, too late to pin it."""
+    (smelt_jax/platform/fit_isa.py): this process has loaded JAX for training, too late to pin it."""
     done = subprocess.run(fit_command("fit-suite", str(out_dir)), env=fit_environment(),
                           capture_output=True, text=True, check=False)
     report = DemoReport()
@@ -151,8 +151,8 @@ def fit_in_pinned_process(out_dir: Path) -> DemoReport:
 def run_demo(suite: str = "smoke", out_dir: Path | None = None, *, parallel: int = 2,
              progress: bool = True, accept_digest: bool = False) -> DemoReport:
     from smelt_jax.data.corpus import build_corpus
-    from smelt_jax.results import read_results
-    from smelt_jax.rundir import results_dir
+    from smelt_jax.run_files.results import read_results
+    from smelt_jax.run_files.rundir import results_dir
     from smelt_jax.sweep.local import SweepError, run_suite_locally
 
     out_dir = Path(out_dir or DEMO_ROOT / suite)

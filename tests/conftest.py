@@ -11,7 +11,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # never the repository's data_cache/xla (the trainer itself sets no global JAX configuration).
 os.environ.setdefault("SMELT_XLA_CACHE", tempfile.mkdtemp(prefix="smelt-xla-tests-"))
 
-import experiments  # noqa: E402,F401 — fills the library's suite registry (smelt_jax.suites), as the CLI does
+import experiments  # noqa: E402,F401 — fills the library's suite registry (smelt_jax.design.suites), as the CLI does
 
 from smelt_jax.train.compile_cache import enable_compilation_cache  # noqa: E402
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from smelt_jax.descriptors import RunSpec
+from smelt_jax.design.descriptors import RunSpec
 
 TINY_SPEC = {
     "suite": "custom", "scale": "tiny", "sparsity_label": "s50", "arch": "smelt",
@@ -48,7 +48,7 @@ def skip_training(monkeypatch) -> list:
 
 def saved_run(root: Path, run: RunSpec, data: dict | None = None) -> Path:
     """A run folder as a trainer leaves it: run.json (with `data` when given)."""
-    from smelt_jax.rundir import run_dir
+    from smelt_jax.run_files.rundir import run_dir
     rd = run_dir(run.suite, run.id, root)
     rd.root.mkdir(parents=True, exist_ok=True)
     record = {**run.to_dict(), "metadata": {}}

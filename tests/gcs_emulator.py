@@ -103,7 +103,7 @@ def _honour_preconditions(server_module) -> None:
 def gcs_emulator():
     """The emulator's base URL (http://127.0.0.1:PORT); gs://test-bucket/ exists and is empty."""
     server_module = pytest.importorskip("gcp_storage_emulator.server")
-    from smelt_jax import storage as gcs
+    from smelt_jax.platform import storage as gcs
 
     logging.getLogger("gcp_storage_emulator").setLevel(logging.CRITICAL)  # a 404 is not an error here
     _send_generations(server_module)

@@ -3,7 +3,7 @@
 import numpy as np
 import pandas as pd
 
-from smelt_jax import paper
+from smelt_jax.design import paper
 
 # per-token FLOPs of the four scales and the six horizons (tokens) of docs/paper.md §4-§5
 FLOPS = (6.0e8, 1.24e9, 4.0e9, 9.8e9)

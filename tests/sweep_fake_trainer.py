@@ -28,13 +28,13 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from experiments import find_run
-from smelt_jax.checkpoint_format import (
+from smelt_jax.run_files.checkpoint_format import (
     DAMAGED_SUFFIX,
     checkpoint_committed,
     checkpoint_damage,
     committed_steps,
 )
-from smelt_jax.rundir import results_dir, run_dir
+from smelt_jax.run_files.rundir import results_dir, run_dir
 
 
 def log(line: str) -> None:
@@ -93,7 +93,7 @@ def main(argv: list[str]) -> int:
             print(f"the checkpoint at step {fork} is damaged", file=sys.stderr)
             return 2
         time.sleep(sleep)
-        from smelt_jax.results import EndpointResult, append_result
+        from smelt_jax.run_files.results import EndpointResult, append_result
         budget = run.budget()
         result = EndpointResult(
             run_id=run.id, branch=branch, pair_id=run.pair_id, suite=run.suite, arch=run.arch,

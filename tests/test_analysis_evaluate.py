@@ -10,9 +10,9 @@ from flax import nnx
 
 from smelt_jax.analysis import evaluate as ev
 from smelt_jax.analysis import run_analysis as ra
-from smelt_jax.config import ModelConfig, Schedule
+from smelt_jax.design.config import ModelConfig, Schedule
 from smelt_jax.data.tokenizer import DEFAULT_TOKENIZER
-from smelt_jax.descriptors import RunSpec
+from smelt_jax.design.descriptors import RunSpec
 from smelt_jax.model import Decoder
 from tests.data_helpers import build_tiny_corpus
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from smelt_jax import budget
-from smelt_jax.config import ModelConfig
+from smelt_jax.design import budget
+from smelt_jax.design.config import ModelConfig
 from smelt_jax.kernels.backend import CAUSAL_BLOCK, choose_attention_backend
 from smelt_jax.model.attention import (Attention, blocked_attended_keys, causal_blocked_attention,
                                        dot_product_attention, segment_causal_mask)

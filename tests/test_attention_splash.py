@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from smelt_jax import sharding
+from smelt_jax.parallel import sharding
 from smelt_jax.compile.program_flops import program_flops
-from smelt_jax.config import ModelConfig
-from smelt_jax.descriptors import Parallelism
+from smelt_jax.design.config import ModelConfig
+from smelt_jax.design.descriptors import Parallelism
 from smelt_jax.kernels import splash
 from smelt_jax.kernels.backend import choose_attention_backend
 from smelt_jax.model.attention import Attention, dot_product_attention, segment_causal_mask

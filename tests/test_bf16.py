@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from smelt_jax.config import ModelConfig, Schedule
+from smelt_jax.design.config import ModelConfig, Schedule
 from smelt_jax.train.state import init_params
 from smelt_jax.train.step import loss_fn, make_train_step, optimizer
 

@@ -1,7 +1,7 @@
 import pytest
 
-from smelt_jax import budget as B
-from smelt_jax.config import ModelConfig
+from smelt_jax.design import budget as B
+from smelt_jax.design.config import ModelConfig
 
 # d=8, 2 heads of 4 (q width 8), 1 KV head of 4, 4 experts of width 6, top-2, 3 layers.
 SMALL = ModelConfig(vocab=10, d_model=8, n_layers=3, n_heads=2, n_kv_heads=1, head_dim=4,

@@ -12,7 +12,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from smelt_jax.checkpoint_format import CHECKSUM_FILE
+from smelt_jax.run_files.checkpoint_format import CHECKSUM_FILE
 from smelt_jax.train.checkpoint import (
     CheckpointCorruptionWarning,
     Checkpointer,

@@ -24,8 +24,8 @@ from pathlib import Path
 import jax.numpy as jnp
 import pytest
 
-from smelt_jax import checkpoint_format as fmt
-from smelt_jax.checkpoint_format import (
+from smelt_jax.run_files import checkpoint_format as fmt
+from smelt_jax.run_files.checkpoint_format import (
     CheckpointAccessError,
     committed_steps,
     damaged_checkpoints,
@@ -163,7 +163,7 @@ import sys
 from pathlib import Path
 sys.path.insert(0, {repo!r})
 from smelt_jax.data.token_store import TokenStore
-from smelt_jax.errors import SmeltError
+from smelt_jax.platform.errors import SmeltError
 from smelt_jax.train.trainer import train
 from tests.test_trainer import OPTIONS, _run
 try:
@@ -186,7 +186,7 @@ def _setpriv_works() -> bool:
 @pytest.mark.skipif(not _setpriv_works(), reason="needs root and setpriv to drop CAP_DAC_OVERRIDE")
 def test_unreadable_checkpoint_files_stop_smelt_train_and_discard_nothing(tmp_path):
     """Before: steps 40, 35 and 20 were called damaged, moved aside, and the run retrained from 0."""
-    from smelt_jax.rundir import run_dir
+    from smelt_jax.run_files.rundir import run_dir
     from smelt_jax.train.trainer import Preempted, TrainOptions, train
     from tests.data_helpers import build_tiny_corpus
     from tests.test_trainer import OPTIONS, _run

@@ -6,8 +6,8 @@ import pytest
 from smelt_jax.compile import aot
 from smelt_jax.compile import report as cr
 from smelt_jax.compile.hlo_stats import hlo_stats
-from smelt_jax.descriptors import Parallelism
-from smelt_jax.hardware import parse_slice
+from smelt_jax.design.descriptors import Parallelism
+from smelt_jax.platform.hardware import parse_slice
 
 
 def test_slice_names_map_to_chips_and_topologies():

@@ -1,6 +1,6 @@
 import pytest
 
-from smelt_jax.config import ConfigError, ModelConfig, Schedule, middle_loop, smelt_loop
+from smelt_jax.design.config import ConfigError, ModelConfig, Schedule, middle_loop, smelt_loop
 
 TINY = dict(vocab=256, d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16, n_experts=8,
             top_k=2, expert_ffn=32)

@@ -1,6 +1,6 @@
 """Custom runs are first-class: a run defined by a config file (`smelt train --config run.yaml`) or by
 `--override` keeps its spec in the runs folder (run.json), and every command finds it by id or unique
-prefix through one lookup (`smelt_jax.run_lookup.find_run`: the suites, then the runs folder)."""
+prefix through one lookup (`smelt_jax.run_files.run_lookup.find_run`: the suites, then the runs folder)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ import pytest
 from data_helpers import build_tiny_corpus
 
 import experiments
-from smelt_jax import run_lookup
+from smelt_jax.run_files import run_lookup
 from smelt_jax.cli import main
-from smelt_jax.config import ConfigError
-from smelt_jax.descriptors import RunSpec
-from smelt_jax.errors import UnknownName
-from smelt_jax.rundir import run_dir
+from smelt_jax.design.config import ConfigError
+from smelt_jax.design.descriptors import RunSpec
+from smelt_jax.platform.errors import UnknownName
+from smelt_jax.run_files.rundir import run_dir
 from tests.custom_run_helpers import TINY_SPEC, skip_training, tiny_run, write_spec_file
 
 
@@ -136,7 +136,7 @@ def test_override_run_is_saved_and_found(tmp_path, store, monkeypatch):
     path = write_spec_file(tmp_path / "run.json", TINY_SPEC)
     assert _train("--config", str(path), "--override", "schedule.seed=7", "--runs-dir", str(runs),
                   "--data-dir", store.root) == 0
-    from smelt_jax.overrides import apply_overrides
+    from smelt_jax.run_files.overrides import apply_overrides
     run = apply_overrides(tiny_run(), ["schedule.seed=7"])
     assert run.id != tiny_run().id and run_dir(run.suite, run.id, runs).spec_file.is_file()
     assert run_lookup.find_run(run.id, runs) == run

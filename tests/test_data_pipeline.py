@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from data_helpers import build_tiny_corpus
 
-from smelt_jax.config import Schedule
+from smelt_jax.design.config import Schedule
 from smelt_jax.data.pipeline import (
     DocumentTable,
     TrainPipeline,

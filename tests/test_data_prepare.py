@@ -16,7 +16,7 @@ import pytest
 from gcs_emulator import BUCKET, gcs_emulator  # noqa: F401 - the fixture
 
 from smelt_jax.cli import main
-from smelt_jax import storage as gcs
+from smelt_jax.platform import storage as gcs
 from smelt_jax.data.hf_tokenizer import HFTokenizer
 from smelt_jax.data.pipeline import TrainPipeline, validation_sets
 from smelt_jax.data.prepare import PrepareConfig, prepare
@@ -218,8 +218,8 @@ def test_gcs_store_matches_local_and_batches_agree(gcs_store, local_store, capsy
 @pytest.mark.slow
 def test_training_on_local_and_gcs_stores_gives_the_same_losses(gcs_store, local_store, tmp_path):
     """A micro run on the prepared store, read from local disk and from gs://: identical losses (~45 s)."""
-    from smelt_jax.config import ModelConfig, Schedule
-    from smelt_jax.descriptors import RunSpec
+    from smelt_jax.design.config import ModelConfig, Schedule
+    from smelt_jax.design.descriptors import RunSpec
     from smelt_jax.train.trainer import TrainOptions, train
 
     local, remote = TokenStore(local_store.root), TokenStore(gcs_store.root)

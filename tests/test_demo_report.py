@@ -11,7 +11,7 @@ import pytest
 
 from experiments import find_run
 from smelt_jax.demo import endpoint_checks, fit_and_report, fit_in_pinned_process
-from smelt_jax.rundir import run_dir
+from smelt_jax.run_files.rundir import run_dir
 from smelt_jax.scaling import health
 
 # The smoke endpoints of one run of the committed demo; smelt s s95's longer branch ended higher

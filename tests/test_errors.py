@@ -1,4 +1,4 @@
-"""The user-error family (smelt_jax/errors.py): a user error is one line and exit code 2, a bug keeps
+"""The user-error family (smelt_jax/platform/errors.py): a user error is one line and exit code 2, a bug keeps
 its traceback, and every domain error a user can cause is a `SmeltError`."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 
 import experiments
 from smelt_jax.cli import main
-from smelt_jax.errors import MissingInput, SmeltError, UnknownName, UsageError
+from smelt_jax.platform.errors import MissingInput, SmeltError, UnknownName, UsageError
 
 PACKAGE = Path(__file__).resolve().parents[1] / "smelt_jax"
 SMOKE_RUN = experiments.load_suite("smoke")[0].id
@@ -83,8 +83,8 @@ def test_user_errors_still_are_the_builtin_exceptions():
 
 
 DOMAIN_ERRORS = [
-    ("smelt_jax.config", "ConfigError"), ("smelt_jax.matching", "MatchError"),
-    ("smelt_jax.checkpoint_format", "CheckpointAccessError"),
+    ("smelt_jax.design.config", "ConfigError"), ("smelt_jax.design.matching", "MatchError"),
+    ("smelt_jax.run_files.checkpoint_format", "CheckpointAccessError"),
     ("smelt_jax.sweep.local", "SweepError"), ("smelt_jax.sweep.base", "MissingTool"),
     ("smelt_jax.train.lock", "LockHeld"), ("smelt_jax.train.checkpoint", "CheckpointError"),
     ("smelt_jax.data.hf_tokenizer", "TokenizerError"), ("smelt_jax.data.token_store", "StoreError"),

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 import experiments
-from smelt_jax import budget as B
-from smelt_jax import paper
+from smelt_jax.design import budget as B
+from smelt_jax.design import paper
 from smelt_jax.cli import main as cli_main
-from smelt_jax.matching import mismatch
+from smelt_jax.design.matching import mismatch
 
 
 def _pairs(suite):
@@ -190,7 +190,7 @@ def test_cli_prefix_and_miss(capsys):
 
 
 def test_compare_pair_gives_the_numbers_smelt_match_prints():
-    from smelt_jax.pairs import compare_pair
+    from smelt_jax.design.pairs import compare_pair
 
     suite = experiments.load_suite("smelt16")
     pair = _pairs("smelt16")["smelt16-600m-s97"]
@@ -212,7 +212,7 @@ def test_a_layout_change_keeps_every_id():
     its id; a change of the seed, the compute dtype or the tokenizer kind changes it."""
     import dataclasses
 
-    from smelt_jax.descriptors import Parallelism
+    from smelt_jax.design.descriptors import Parallelism
 
     layouts = (Parallelism(data=-1, fsdp=4, expert=2, tensor=1, tpu_type="v5p-64", remat="full"),
                Parallelism(data=2, fsdp=2, expert=8, tensor=2, tpu_type="v6e-64", remat="dots"))

@@ -1,4 +1,4 @@
-"""Fits give the same bytes whatever the CPU's vector width (smelt_jax/fit_isa.py, scaling/written.py).
+"""Fits give the same bytes whatever the CPU's vector width (smelt_jax/platform/fit_isa.py, scaling/written.py).
 
 The byte-for-byte tests run the fits in two fresh processes, one with XLA's CPU ISA capped at AVX2 (as on
 an AVX2-only machine) and one at this machine's default, and compare every written file; the smoke suite
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from smelt_jax import fit_isa
+from smelt_jax.platform import fit_isa
 from smelt_jax.scaling import written
 from smelt_jax.scaling.laws import ChinchillaLaw, SmeltLaw
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from smelt_jax import storage
+from smelt_jax.platform import storage
 from smelt_jax.train.metrics_log import MetricsWriter
 
 REPO = Path(__file__).resolve().parents[1]

@@ -1,11 +1,11 @@
-"""The one hardware table (smelt_jax.hardware): slice names, chip counts, hosts and torus shapes agree
+"""The one hardware table (smelt_jax.platform.hardware): slice names, chip counts, hosts and torus shapes agree
 with each other, and the numbers the trainer, the compile report and the sweep backends read are pinned."""
 
 import math
 
 import pytest
 
-from smelt_jax import hardware as hw
+from smelt_jax.platform import hardware as hw
 
 
 @pytest.mark.parametrize("generation", sorted(hw.TPU_CHIPS))

@@ -2,7 +2,7 @@
 cycle, and no module importing from a higher layer. Module-level and function-level imports count
 alike (a lazy import is still a dependency). The suites in `experiments/` (top of the repository) are
 covered too: they sit above the library (layer 6.5, under the CLI), so no library module imports them
-(the library reaches them through the `smelt_jax.suites` registry) and they import no entry point."""
+(the library reaches them through the `smelt_jax.design.suites` registry) and they import no entry point."""
 
 from __future__ import annotations
 
@@ -20,31 +20,34 @@ SUITES_ROOT = ROOT.parent / SUITES
 LAYERS: dict[str, int] = {
     # 0 - foundations: configuration, facts, naming, files; no model code, no training.
     "": 0,
-    "config": 0,
-    "errors": 0,  # the user-error family (SmeltError)
+    "design": 0,  # the experiment design (config, budgets, matcher, descriptors, suites registry)
+    "run_files": 0,  # run folders and their files
+    "platform": 0,  # platform plumbing (hardware, storage, errors, exit codes, progress)
+    "design.config": 0,
+    "platform.errors": 0,  # the user-error family (SmeltError)
     "kernels.backend": 0,  # backend names and the one backend decision (the config validates with it)
-    "budget": 0,
-    "hardware": 0,
-    "paths": 0,
-    "platform": 0,
-    "fit_isa": 0,  # the CPU kernels a fit process is pinned to (the same bits on every x86 CPU)
-    "sharding": 0,
-    "descriptors": 0,
-    "matching": 0,
-    "overrides": 0,  # --override key=value on a RunSpec
-    "rundir": 0,  # paths only
-    "path_names": 0,
-    "memory_estimate": 0,  # a run's memory per device, estimated before anything is written
-    "run_spec_file": 0,  # run.json read through one function (damaged or edited: one line)
-    "storage": 0,  # the one storage module: local paths and gs://
-    "checkpoint_format": 0,  # the checkpoint format on disk (no JAX)
-    "suites": 0,  # the registry through which the library reaches experiments/
-    "run_lookup": 0,  # a run by id: the suites, then the runs folder (config-file and override runs)
-    "run_data": 0,  # the data a run trains on: its record and the check (no JAX)
-    "exit_codes": 0,  # process exit codes (42: preempted, restart me)
-    "results": 0,
+    "design.budget": 0,
+    "platform.hardware": 0,
+    "platform.paths": 0,
+    "platform.jax_platform": 0,
+    "platform.fit_isa": 0,  # the CPU kernels a fit process is pinned to (the same bits on every x86 CPU)
+    "parallel.sharding": 0,
+    "design.descriptors": 0,
+    "design.matching": 0,
+    "run_files.overrides": 0,  # --override key=value on a RunSpec
+    "run_files.rundir": 0,  # paths only
+    "run_files.path_names": 0,
+    "run_files.memory_estimate": 0,  # a run's memory per device, estimated before anything is written
+    "run_files.run_spec_file": 0,  # run.json read through one function (damaged or edited: one line)
+    "platform.storage": 0,  # the one storage module: local paths and gs://
+    "run_files.checkpoint_format": 0,  # the checkpoint format on disk (no JAX)
+    "design.suites": 0,  # the registry through which the library reaches experiments/
+    "run_files.run_lookup": 0,  # a run by id: the suites, then the runs folder (config-file and override runs)
+    "run_files.run_data": 0,  # the data a run trains on: its record and the check (no JAX)
+    "platform.exit_codes": 0,  # process exit codes (42: preempted, restart me)
+    "run_files.results": 0,
     "data": 0,
-    "progress": 0,  # tqdm on a terminal, plain lines elsewhere (trainer, local sweep)
+    "platform.progress": 0,  # tqdm on a terminal, plain lines elsewhere (trainer, local sweep)
     # 1 - compute kernels.
     "kernels": 1,
     # 2 - the model.
@@ -57,17 +60,17 @@ LAYERS: dict[str, int] = {
     # 5 - what is done with runs: analysis, laws, published numbers, sweeps.
     "analysis": 5,
     "scaling": 5,
-    "paper": 5,
-    "pairs": 5,  # a matched pair compared (budgets, mismatches, Appendix A)
+    "design.paper": 5,
+    "design.pairs": 5,  # a matched pair compared (budgets, mismatches, Appendix A)
     "sweep": 5,
     # 6 - end-to-end jobs.
     "demo": 6,
     # 6.5 - the suites (experiments/, outside the package): built from the library, read by it only
-    # through the smelt_jax.suites registry; the CLI imports them (and so fills the registry).
+    # through the smelt_jax.design.suites registry; the CLI imports them (and so fills the registry).
     SUITES: 6.5,
     # 7 - entry points.
     "cli": 7,
-    "notebooks_runner": 7,
+    "analysis.notebooks_runner": 7,
     "__main__": 7,
 }
 
@@ -183,16 +186,16 @@ def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 
 def test_the_graph_is_read_from_the_source():
-    assert {"config", "model.moe", "kernels.experts"} <= set(MODULES)
+    assert {"design.config", "model.moe", "kernels.experts"} <= set(MODULES)
     assert "kernels.experts" in GRAPH["model.expert_compute"]  # a module-level import
     assert "kernels.pallas_ffn" in GRAPH["kernels.experts"]  # a function-level import
     assert {"experiments", "experiments.smelt16", "experiments.placement"} <= set(MODULES)
-    assert "descriptors" in GRAPH["experiments"]  # the suites import the library
+    assert "design.descriptors" in GRAPH["experiments"]  # the suites import the library
     assert "experiments" in GRAPH["cli.experiments"]  # the CLI imports the suites (filling the registry)
 
 
 def test_no_library_module_imports_the_suites():
-    """The library reads suites through `smelt_jax.suites`; only entry points import `experiments`."""
+    """The library reads suites through `smelt_jax.design.suites`; only entry points import `experiments`."""
     found = sorted(f"{_show(m)} imports {_show(t)}" for m, targets in GRAPH.items() for t in targets
                    if (t == SUITES or t.startswith(SUITES + ".")) and _layer(m) < LAYERS[SUITES])
     assert not found, "library modules importing experiments/:\n" + "\n".join(found)

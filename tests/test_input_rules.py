@@ -17,7 +17,7 @@ def test_a_duplicate_yaml_key_is_refused_in_one_line(tmp_path, capsys):
 
 
 def test_the_compilation_cache_goes_to_the_users_cache_folder(monkeypatch, tmp_path):
-    from smelt_jax.paths import PACKAGE_DIR, checkout_root
+    from smelt_jax.platform.paths import PACKAGE_DIR, checkout_root
     from smelt_jax.train.compile_cache import default_cache_dir
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert default_cache_dir() == tmp_path / "smelt_jax" / "xla"

@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 
 from experiments import ladder, nano
-from smelt_jax.matching import Tolerances, mismatch
+from smelt_jax.design.matching import Tolerances, mismatch
 from smelt_jax.scaling import ladder as predictions
 
 REPO = Path(__file__).resolve().parents[1]

@@ -9,13 +9,13 @@ import pytest
 
 import experiments
 from experiments.placement import LAYOUTS_FILE, SMELT16_POLICY
-from smelt_jax import sharding
+from smelt_jax.parallel import sharding
 from smelt_jax.compile import aot
 from smelt_jax.compile import layout_search as ls
 from smelt_jax.compile import report as cr
 from smelt_jax.compile.candidates import REMAT_ORDER
-from smelt_jax.descriptors import Parallelism
-from smelt_jax.hardware import parse_slice
+from smelt_jax.design.descriptors import Parallelism
+from smelt_jax.platform.hardware import parse_slice
 from smelt_jax.parallel.layout import layout_key, load_layouts, run_key
 
 SMELT16 = experiments.load_suite("smelt16")
@@ -296,7 +296,7 @@ def test_the_ledger_lets_a_report_resume_on_another_machine(tmp_path):
     records of another analysis version are compiled again; a damaged line is a clear error."""
     from smelt_jax.compile.program_flops import ProgramFlops
     from smelt_jax.compile.results_ledger import Ledger, results_file
-    from smelt_jax.errors import UsageError
+    from smelt_jax.platform.errors import UsageError
 
     assert results_file(LAYOUTS_FILE).name == "compile_results.jsonl"
     assert results_file(LAYOUTS_FILE.with_name("layouts_ablations200m.json")).name == \

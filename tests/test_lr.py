@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from smelt_jax.config import Schedule
+from smelt_jax.design.config import Schedule
 from smelt_jax.train.lr import learning_rate, phase_steps
 
 SCHED = Schedule(batch_size=2, seq_len=8, stable_steps=100, fork_steps=(20, 100), decay_steps=10,

@@ -2,9 +2,9 @@ import time
 
 import pytest
 
-from smelt_jax import budget as B
-from smelt_jax.config import ModelConfig, smelt_loop
-from smelt_jax.matching import MatchError, Tolerances, match, mismatch
+from smelt_jax.design import budget as B
+from smelt_jax.design.config import ModelConfig, smelt_loop
+from smelt_jax.design.matching import MatchError, Tolerances, match, mismatch
 
 BASE_200M_S85 = ModelConfig(vocab=65536, d_model=1280, n_layers=12, n_heads=10, n_kv_heads=2,
                             head_dim=128, n_experts=64, top_k=8, expert_ffn=432)

@@ -1,5 +1,5 @@
 """A run's memory is estimated before anything is written; a run that cannot fit the devices present is
-refused in one line with the estimate (`smelt_jax.memory_estimate`)."""
+refused in one line with the estimate (`smelt_jax.run_files.memory_estimate`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 
 import experiments
 from smelt_jax.cli import main
-from smelt_jax.memory_estimate import GIB, DoesNotFit, check_fits, estimate
+from smelt_jax.run_files.memory_estimate import GIB, DoesNotFit, check_fits, estimate
 from tests.custom_run_helpers import TINY_SPEC, tiny_run, write_spec_file
 
 

@@ -4,8 +4,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from smelt_jax import budget
-from smelt_jax.config import ModelConfig
+from smelt_jax.design import budget
+from smelt_jax.design.config import ModelConfig
 from smelt_jax.model import Decoder
 
 # top_k == n_experts: the capacity backend's worst-case buffer (E * T rows) is then exactly the

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from smelt_jax import budget
-from smelt_jax.config import ModelConfig
+from smelt_jax.design import budget
+from smelt_jax.design.config import ModelConfig
 from smelt_jax.model import (
     Decoder,
     cache_entries_per_token,

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from smelt_jax import budget
-from smelt_jax.config import ModelConfig
+from smelt_jax.design import budget
+from smelt_jax.design.config import ModelConfig
 from smelt_jax.model import Decoder, Layer
 
 TINY = ModelConfig(vocab=256, d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16,

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from smelt_jax.config import ModelConfig
+from smelt_jax.design.config import ModelConfig
 from smelt_jax.model.dispatch import argsort_small_keys, expert_capacity, inverse_permutation
 from smelt_jax.model.moe import MoE
 from smelt_jax.model.router import route

@@ -7,8 +7,8 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from smelt_jax import sharding
-from smelt_jax.config import ModelConfig
+from smelt_jax.parallel import sharding
+from smelt_jax.design.config import ModelConfig
 from smelt_jax.model import Decoder
 
 TINY = ModelConfig(vocab=256, d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16,

@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from smelt_jax import sharding
-from smelt_jax.config import EXPERT_BUFFER_SLACK, ModelConfig
-from smelt_jax.descriptors import Parallelism
+from smelt_jax.parallel import sharding
+from smelt_jax.design.config import EXPERT_BUFFER_SLACK, ModelConfig
+from smelt_jax.design.descriptors import Parallelism
 from smelt_jax.model import expert_exchange
 from smelt_jax.model.dispatch import dispatch
 from smelt_jax.model.expert_compute import local_expert_outputs

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from smelt_jax import sharding
-from smelt_jax.config import ModelConfig
-from smelt_jax.descriptors import Parallelism
+from smelt_jax.parallel import sharding
+from smelt_jax.design.config import ModelConfig
+from smelt_jax.design.descriptors import Parallelism
 from smelt_jax.model.moe import MoE
 
 INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(\S+) = (\w+)\[([\d,]*)\]\S* (\S+)\(")

@@ -6,9 +6,9 @@ import math
 import pytest
 
 from experiments import load_suite, nano
-from smelt_jax import budget as B
-from smelt_jax.config import ConfigError, Schedule
-from smelt_jax.matching import Tolerances, mismatch
+from smelt_jax.design import budget as B
+from smelt_jax.design.config import ConfigError, Schedule
+from smelt_jax.design.matching import Tolerances, mismatch
 from smelt_jax.train.lr import learning_rate, phase_steps
 
 

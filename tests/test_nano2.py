@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 
 from experiments import load_suite, nano, nano2
-from smelt_jax import budget
+from smelt_jax.design import budget
 from smelt_jax.scaling import nano2 as analysis
 from smelt_jax.scaling import nano2_report
 

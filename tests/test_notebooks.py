@@ -6,8 +6,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from smelt_jax import notebooks_runner, paper
-from smelt_jax.results import EndpointResult, append_result
+from smelt_jax.analysis import notebooks_runner
+from smelt_jax.design import paper
+from smelt_jax.run_files.results import EndpointResult, append_result
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 EXPECTED = {"budgets_and_matching", "training_curves", "scaling_fits", "mechanistic", "results_micro"}

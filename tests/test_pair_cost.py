@@ -8,9 +8,9 @@ import pytest
 import experiments
 from smelt_jax.compile import layout_search as ls
 from smelt_jax.compile import pair_cost
-from smelt_jax import paper
+from smelt_jax.design import paper
 from smelt_jax.compile import report as cr
-from smelt_jax.paths import checkout_root
+from smelt_jax.platform.paths import checkout_root
 
 SMELT16 = experiments.load_suite("smelt16")
 QUICKSTART = checkout_root() / "docs" / "tpu-quickstart.md"
@@ -73,7 +73,7 @@ def test_the_quickstart_table_is_the_formula_of_its_own_steps():
 def test_price_per_budget_flop_and_the_paper_savings_priced_in_chip_hours():
     """chip-s per PFLOP = step x chips / (F x batch tokens) x 1e15; the SMELT / Baseline price ratio per
     pair; the paper's 7.8% FLOP saving at (1e20, 0.95) at a price ratio of 1.3 is a chip-hour loss."""
-    from smelt_jax.budget import train_flops_per_token
+    from smelt_jax.design.budget import train_flops_per_token
 
     b, s = _pair("100m", "s95")
     per_step = lambda run: train_flops_per_token(run.model) * run.schedule.batch_size * run.schedule.seq_len

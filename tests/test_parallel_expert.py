@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from smelt_jax import sharding
-from smelt_jax.config import ModelConfig
-from smelt_jax.descriptors import Parallelism
+from smelt_jax.parallel import sharding
+from smelt_jax.design.config import ModelConfig
+from smelt_jax.design.descriptors import Parallelism
 from smelt_jax.kernels.backend import choose_expert_exchange
 from smelt_jax.model import moe as moe_module
 from smelt_jax.model.dispatch import kept_copies

@@ -12,10 +12,10 @@ import jax
 import numpy as np
 import pytest
 
-from smelt_jax import sharding
-from smelt_jax.config import ModelConfig, Schedule
-from smelt_jax.descriptors import Parallelism, RunSpec
-from smelt_jax.rundir import run_dir
+from smelt_jax.parallel import sharding
+from smelt_jax.design.config import ModelConfig, Schedule
+from smelt_jax.design.descriptors import Parallelism, RunSpec
+from smelt_jax.run_files.rundir import run_dir
 from smelt_jax.train.trainer import TrainOptions
 
 MODEL = ModelConfig(vocab=512, d_model=32, n_layers=2, n_heads=2, n_kv_heads=2, head_dim=16,

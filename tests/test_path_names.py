@@ -1,4 +1,4 @@
-"""Every path component from user input goes through `smelt_jax.path_names`: a config file, an id, a
+"""Every path component from user input goes through `smelt_jax.run_files.path_names`: a config file, an id, a
 `--suite` or an `--out` cannot name a folder outside the runs root, and a bad one is one line (exit 2)
 before anything is written."""
 
@@ -9,11 +9,11 @@ import dataclasses
 
 import pytest
 
-from smelt_jax import path_names
+from smelt_jax.run_files import path_names
 from smelt_jax.cli import build_parser, main
-from smelt_jax.config import ConfigError, ModelConfig, Schedule
-from smelt_jax.descriptors import PATH_FIELDS, Parallelism, RunSpec
-from smelt_jax.rundir import results_dir, run_dir
+from smelt_jax.design.config import ConfigError, ModelConfig, Schedule
+from smelt_jax.design.descriptors import PATH_FIELDS, Parallelism, RunSpec
+from smelt_jax.run_files.rundir import results_dir, run_dir
 from tests.custom_run_helpers import TINY_SPEC, write_spec_file
 
 BAD = ["..", "../../../../escape_var", "/etc", "a/b", "a\\b", "", "a\0b", "x" * 300, ".hidden", "a..b",

@@ -10,8 +10,8 @@ import pytest
 import experiments
 from experiments import placement
 from smelt_jax.compile.candidates import candidates
-from smelt_jax.descriptors import Parallelism
-from smelt_jax.hardware import parse_slice
+from smelt_jax.design.descriptors import Parallelism
+from smelt_jax.platform.hardware import parse_slice
 from smelt_jax.parallel.layout import format_layout, parse_layout, run_key
 from smelt_jax.sweep.base import CloudSettings
 from smelt_jax.sweep.graph import suite_graph

@@ -333,7 +333,7 @@ def test_conventional_flops_add_the_lm_head_and_causal_attention():
     run = next(r for r in experiments.load_suite("smoke") if r.arch == "baseline")
     cfg = run.model
     per_token = cr.conventional_train_flops(cfg, 1.0)
-    from smelt_jax import budget
+    from smelt_jax.design import budget
 
     six_n = budget.train_flops_per_token(cfg, attended_keys=0)
     head = 6 * cfg.d_model * cfg.vocab
@@ -349,8 +349,8 @@ def test_splash_flops_are_not_scaled_by_the_expert_buffer_fill():
 def test_the_window_term_counts_the_keys_the_tpu_attention_executes():
     """On TPU (splash, 4096 keys in blocks of 512) the attention executes as much as a dense one over
     2688 keys (kernels.splash.dense_equivalent_keys); the reference scores all 4096."""
-    from smelt_jax import budget as budget_lib
-    from smelt_jax.config import ModelConfig
+    from smelt_jax.design import budget as budget_lib
+    from smelt_jax.design.config import ModelConfig
 
     cfg = ModelConfig(vocab=1024, d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=64,
                       n_experts=8, top_k=2, expert_ffn=128, seq_len=4096)

@@ -5,8 +5,8 @@ import io
 
 import pytest
 
-from smelt_jax.progress import LineProgress, progress_bar
-from smelt_jax.rundir import run_dir
+from smelt_jax.platform.progress import LineProgress, progress_bar
+from smelt_jax.run_files.rundir import run_dir
 from tests.data_helpers import build_tiny_corpus
 from tests.test_trainer import _run
 

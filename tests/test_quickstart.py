@@ -23,8 +23,8 @@ import pandas as pd
 import pytest
 
 import experiments
-from smelt_jax import paper
-from smelt_jax.results import TABLE_NAME, EndpointResult
+from smelt_jax.design import paper
+from smelt_jax.run_files.results import TABLE_NAME, EndpointResult
 from smelt_jax.sweep import base
 
 REPO = Path(__file__).resolve().parents[1]

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from smelt_jax.checkpoint_format import (
+from smelt_jax.run_files.checkpoint_format import (
     CHECKSUM_FILE,
     checkpoint_damage,
     committed_steps,

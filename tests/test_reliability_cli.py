@@ -20,8 +20,8 @@ import pytest
 
 from smelt_jax.cli import CliError, main
 from smelt_jax.cli import filesystem_errors
-from smelt_jax.overrides import apply_overrides
-from smelt_jax.config import ConfigError
+from smelt_jax.run_files.overrides import apply_overrides
+from smelt_jax.design.config import ConfigError
 from smelt_jax.train.lock import LOCK_NAME, LocalLock, LockHeld, holding
 from smelt_jax.train.trainer import TrainOptions
 
@@ -310,7 +310,7 @@ def test_fit_input_duplicates_warn_and_huge_values_name_the_column():
 
 
 def _row(run_id: str, branch: int = 0):
-    from smelt_jax.results import EndpointResult
+    from smelt_jax.run_files.results import EndpointResult
     return EndpointResult(run_id=run_id, branch=branch, pair_id="p", suite="s", arch="baseline",
                           scale="tiny", sparsity_label="S0", sparsity=0.0, flops_per_token=1e6,
                           params=10 ** 6, tokens=512, cumulative_flops=5.12e8, val_loss=2.0)
@@ -318,7 +318,7 @@ def _row(run_id: str, branch: int = 0):
 
 def test_results_files_are_group_readable_and_collect_rewrites_the_csv(tmp_path):
     """Issue item 8: results files were 0600 and a truncated results.csv survived `results collect`."""
-    from smelt_jax.results import CSV_NAME, TABLE_NAME, append_result, read_results
+    from smelt_jax.run_files.results import CSV_NAME, TABLE_NAME, append_result, read_results
     from smelt_jax.sweep.collect import collect_suite
     suite_dir = tmp_path / "s"
     old = os.umask(0o022)

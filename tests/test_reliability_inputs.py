@@ -9,8 +9,8 @@ import pytest
 
 import experiments
 from smelt_jax.cli import CliError, filesystem_errors, main
-from smelt_jax.config import ConfigError
-from smelt_jax.overrides import apply_overrides
+from smelt_jax.design.config import ConfigError
+from smelt_jax.run_files.overrides import apply_overrides
 
 RUN = experiments.load_suite("micro")[0]
 

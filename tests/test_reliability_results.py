@@ -18,14 +18,14 @@ import pandas as pd
 import pytest
 
 from smelt_jax.cli import main
-from smelt_jax.results import (
+from smelt_jax.run_files.results import (
     TABLE_NAME,
     EndpointResult,
     ResultsDamaged,
     append_result,
     read_results,
 )
-from smelt_jax.rundir import results_dir, run_dir
+from smelt_jax.run_files.rundir import results_dir, run_dir
 from smelt_jax.sweep.collect import collect
 from smelt_jax.sweep.graph import suite_graph
 

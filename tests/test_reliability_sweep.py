@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 
 from smelt_jax.cli import main
-from smelt_jax.checkpoint_format import CHECKSUM_FILE
-from smelt_jax.rundir import run_dir
+from smelt_jax.run_files.checkpoint_format import CHECKSUM_FILE
+from smelt_jax.run_files.rundir import run_dir
 from smelt_jax.sweep.graph import JobStatus, artifact_statuses
 from smelt_jax.sweep.local import failure_summary, local_statuses, run_local
 from tests.test_sweep_local import env, events, graph, settings  # noqa: F401 (fixture)

@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from smelt_jax.checkpoint_format import committed_steps, temporary_checkpoints
-from smelt_jax.rundir import run_dir
+from smelt_jax.run_files.checkpoint_format import committed_steps, temporary_checkpoints
+from smelt_jax.run_files.rundir import run_dir
 from smelt_jax.sweep.graph import JobStatus, artifact_statuses, build_graph
 from smelt_jax.train.checkpoint import CheckpointSaveError
 from smelt_jax.train.metrics_log import TornLineWarning, read_metrics

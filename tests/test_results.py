@@ -9,8 +9,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from smelt_jax import results
-from smelt_jax.results import EndpointResult, append_result, read_results
+from smelt_jax.run_files import results
+from smelt_jax.run_files.results import EndpointResult, append_result, read_results
 
 
 def _result(run_id: str, branch: int = 0, loss: float = 2.5, **changes) -> EndpointResult:

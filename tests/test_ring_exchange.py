@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from smelt_jax import sharding
-from smelt_jax.config import ModelConfig
-from smelt_jax.descriptors import Parallelism
+from smelt_jax.parallel import sharding
+from smelt_jax.design.config import ModelConfig
+from smelt_jax.design.descriptors import Parallelism
 from smelt_jax.kernels.backend import choose_expert_exchange
 from smelt_jax.model import moe as moe_module
 from smelt_jax.model.dispatch import dispatch
@@ -135,7 +135,7 @@ def test_ring_is_a_valid_exchange_never_chosen_by_auto():
 
 def test_a_layout_records_its_exchange_without_changing_ids_at_auto():
     import experiments
-    from smelt_jax.config import ConfigError
+    from smelt_jax.design.config import ConfigError
 
     run = next(r for r in experiments.load_suite("smelt16") if r.arch == "smelt")
     assert run.parallelism.exchange == "ring"  # what the compile report chose (experiments/layouts.json)

@@ -12,7 +12,7 @@ from data_helpers import build_tiny_corpus
 
 import experiments
 from smelt_jax.data.hf_tokenizer import BytesTokenizer
-from smelt_jax.descriptors import DataMismatch
+from smelt_jax.design.descriptors import DataMismatch
 from smelt_jax.sweep import base
 
 

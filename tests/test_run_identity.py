@@ -12,10 +12,10 @@ import sys
 import pytest
 from data_helpers import build_tiny_corpus
 
-from smelt_jax import run_data
-from smelt_jax.checkpoint_format import committed_steps, step_metadata
+from smelt_jax.run_files import run_data
+from smelt_jax.run_files.checkpoint_format import committed_steps, step_metadata
 from smelt_jax.cli import main
-from smelt_jax.rundir import run_dir
+from smelt_jax.run_files.rundir import run_dir
 from tests.custom_run_helpers import TINY_SPEC, saved_run, skip_training, tiny_run, write_spec_file
 
 

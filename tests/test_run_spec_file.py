@@ -1,4 +1,4 @@
-"""A run's run.json is read through one function (`smelt_jax.run_spec_file`) by train, eval, the lookup
+"""A run's run.json is read through one function (`smelt_jax.run_files.run_spec_file`) by train, eval, the lookup
 and the sweep status: a truncated or edited file is one line saying what is wrong, checkpoints untouched."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ import json
 import pytest
 
 import experiments
-from smelt_jax import run_lookup
+from smelt_jax.run_files import run_lookup
 from smelt_jax.cli import main
-from smelt_jax.run_data import recorded_data
-from smelt_jax.run_spec_file import RunSpecDamaged, read_run_record, read_run_spec, spec_digest
-from smelt_jax.rundir import run_dir
+from smelt_jax.run_files.run_data import recorded_data
+from smelt_jax.run_files.run_spec_file import RunSpecDamaged, read_run_record, read_run_spec, spec_digest
+from smelt_jax.run_files.rundir import run_dir
 from tests.custom_run_helpers import tiny_run
 
 

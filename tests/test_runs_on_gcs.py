@@ -9,9 +9,9 @@ import os
 import pytest
 
 from gcs_emulator import BUCKET, gcs_emulator  # noqa: F401 - the fixture
-from smelt_jax import storage as gcs
-from smelt_jax.results import EndpointResult, append_result, read_results, rewrite_csv
-from smelt_jax.rundir import results_dir, run_dir, runs_root
+from smelt_jax.platform import storage as gcs
+from smelt_jax.run_files.results import EndpointResult, append_result, read_results, rewrite_csv
+from smelt_jax.run_files.rundir import results_dir, run_dir, runs_root
 from smelt_jax.train.metrics_log import MetricsWriter, latest_per_step, read_metrics
 
 ROOT = f"gs://{BUCKET}/runs"
@@ -126,7 +126,7 @@ def test_micro_run_on_a_bucket_resumes_and_matches_a_local_run(bucket_root, corp
     without which an OCDBT manifest committed in more than one batch failed with "Malformed
     StorageGeneration" (2 of 4 runs)."""
     pytest.importorskip("gcsfs")  # orbax reaches gs:// through etils.epath -> fsspec -> gcsfs
-    from smelt_jax.checkpoint_format import committed_steps
+    from smelt_jax.run_files.checkpoint_format import committed_steps
     from smelt_jax.train.trainer import Preempted, TrainOptions, train
     from tests.test_trainer import OPTIONS, _run
 
@@ -308,8 +308,8 @@ def test_saved_runs_on_a_bucket_are_found_by_prefix_and_listed(bucket_root):
 
     from custom_run_helpers import TINY_SPEC, tiny_run
 
-    from smelt_jax.errors import AmbiguousName, UnknownName
-    from smelt_jax.run_lookup import find_run, saved_runs
+    from smelt_jax.platform.errors import AmbiguousName, UnknownName
+    from smelt_jax.run_files.run_lookup import find_run, saved_runs
 
     runs = [tiny_run(), tiny_run(dict(TINY_SPEC, scale="tinier"))]
     for run in runs:

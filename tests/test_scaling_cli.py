@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 from scaling_synthetic import paper_pair_table
 
-from smelt_jax import paper
+from smelt_jax.design import paper
 from smelt_jax.cli import main
 from smelt_jax.scaling import io, pipeline, tables
 

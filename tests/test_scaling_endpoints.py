@@ -9,8 +9,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from smelt_jax import paper
-from smelt_jax.errors import UsageError
+from smelt_jax.design import paper
+from smelt_jax.platform.errors import UsageError
 from smelt_jax.scaling import endpoints, fit
 from smelt_jax.scaling.laws import SmeltLaw, SmeltLawFixedExponents
 from smelt_jax.scaling.pipeline import fit_suite_table

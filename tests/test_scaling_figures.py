@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 from scaling_synthetic import paper_pair_table
 
-from smelt_jax import paper
+from smelt_jax.design import paper
 from smelt_jax.scaling import health, tables
 from smelt_jax.scaling.laws import replace
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from scaling_synthetic import paper_pair_table, smelt_table
 
-from smelt_jax import paper
+from smelt_jax.design import paper
 from smelt_jax.scaling import bootstrap, fit, gains, io
 from smelt_jax.scaling.laws import ChinchillaLaw, SmeltLaw
 

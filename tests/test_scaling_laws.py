@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import scipy.optimize
 
-from smelt_jax import paper
+from smelt_jax.design import paper
 from smelt_jax.scaling import gains
 from smelt_jax.scaling.laws import ChinchillaLaw, LoopedLaw, SmeltLaw, law_from_dict
 

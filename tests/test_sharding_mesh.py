@@ -8,9 +8,9 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from smelt_jax import sharding
-from smelt_jax.config import ModelConfig, Schedule
-from smelt_jax.descriptors import Parallelism
+from smelt_jax.parallel import sharding
+from smelt_jax.design.config import ModelConfig, Schedule
+from smelt_jax.design.descriptors import Parallelism
 from smelt_jax.train import state as train_state
 from smelt_jax.train.step import optimizer
 

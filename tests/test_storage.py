@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from smelt_jax import storage
+from smelt_jax.platform import storage
 from smelt_jax.cli import main
-from smelt_jax.errors import UsageError
-from smelt_jax.storage import UnsupportedLocation
+from smelt_jax.platform.errors import UsageError
+from smelt_jax.platform.storage import UnsupportedLocation
 
 
 @pytest.mark.parametrize("url", ["s3://b/x", "http://host/runs", "file:///tmp/x", "hdfs://nn/x",

@@ -5,11 +5,11 @@ import os
 
 import pytest
 
-from smelt_jax.errors import UsageError
+from smelt_jax.platform.errors import UsageError
 
 from experiments import SUITE_NAMES, load_suite
-from smelt_jax.results import EndpointResult, append_result
-from smelt_jax.rundir import results_dir, run_dir
+from smelt_jax.run_files.results import EndpointResult, append_result
+from smelt_jax.run_files.rundir import results_dir, run_dir
 from smelt_jax.sweep.graph import (
     MAX_NAME_LEN,
     JobStatus,

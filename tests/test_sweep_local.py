@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from experiments import load_suite
-from smelt_jax.results import read_results
-from smelt_jax.rundir import results_dir, run_dir
+from smelt_jax.run_files.results import read_results
+from smelt_jax.run_files.rundir import results_dir, run_dir
 from smelt_jax.sweep.collect import collect
 from smelt_jax.sweep.graph import JobStatus, artifact_statuses, build_graph
 from smelt_jax.sweep.summary import summarize

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from experiments import load_suite
-from smelt_jax.descriptors import Parallelism
+from smelt_jax.design.descriptors import Parallelism
 from smelt_jax.sweep import base
 from smelt_jax.sweep.base import CloudSettings
 from smelt_jax.sweep.graph import JobStatus, build_graph, suite_graph

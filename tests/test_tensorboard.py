@@ -10,8 +10,8 @@ import warnings
 import pytest
 
 from smelt_jax.cli.train import parse_profile
-from smelt_jax import storage as gcs
-from smelt_jax.rundir import run_dir
+from smelt_jax.platform import storage as gcs
+from smelt_jax.run_files.rundir import run_dir
 from smelt_jax.train import tensorboard as tb
 from smelt_jax.train.metrics_log import latest_per_step, read_metrics
 from smelt_jax.train.trainer import Preempted, TrainOptions, train

@@ -10,7 +10,7 @@ import pytest
 
 from smelt_jax.compile import aot
 from smelt_jax.compile import report as cr
-from smelt_jax.descriptors import Parallelism
+from smelt_jax.design.descriptors import Parallelism
 from smelt_jax.model import decoder, loss
 
 

@@ -4,8 +4,8 @@ default, and clear errors for keys that do not exist."""
 import pytest
 
 import experiments
-from smelt_jax.overrides import apply_overrides
-from smelt_jax.config import ConfigError
+from smelt_jax.run_files.overrides import apply_overrides
+from smelt_jax.design.config import ConfigError
 
 RUN = next(r for r in experiments.load_suite("smoke") if r.arch == "smelt")
 

@@ -7,12 +7,12 @@ import jax
 import numpy as np
 import pytest
 
-from smelt_jax.config import ModelConfig, Schedule
+from smelt_jax.design.config import ModelConfig, Schedule
 from smelt_jax.data.pipeline import TrainPipeline
-from smelt_jax.descriptors import RunSpec
-from smelt_jax.results import read_results
-from smelt_jax.checkpoint_format import committed_steps
-from smelt_jax.rundir import results_dir, run_dir
+from smelt_jax.design.descriptors import RunSpec
+from smelt_jax.run_files.results import read_results
+from smelt_jax.run_files.checkpoint_format import committed_steps
+from smelt_jax.run_files.rundir import results_dir, run_dir
 from smelt_jax.train.checkpoint import Checkpointer
 from smelt_jax.train.trainer import NonFiniteLoss, Preempted, TrainOptions, train
 from tests.data_helpers import build_tiny_corpus
@@ -140,7 +140,7 @@ SIGTERM_SCRIPT = """
 import sys
 from pathlib import Path
 sys.path.insert(0, {repo!r})
-from smelt_jax.exit_codes import PREEMPTED
+from smelt_jax.platform.exit_codes import PREEMPTED
 from smelt_jax.train.trainer import Preempted, TrainOptions, train
 from smelt_jax.data.token_store import TokenStore
 from tests.test_trainer import OPTIONS, _run

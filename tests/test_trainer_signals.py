@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from smelt_jax.checkpoint_format import committed_steps
-from smelt_jax.exit_codes import PREEMPTED
-from smelt_jax.rundir import run_dir
+from smelt_jax.run_files.checkpoint_format import committed_steps
+from smelt_jax.platform.exit_codes import PREEMPTED
+from smelt_jax.run_files.rundir import run_dir
 from smelt_jax.train.lock import LOCK_NAME
 from smelt_jax.train.trainer import Preempted, TrainOptions, train
 from tests.data_helpers import build_tiny_corpus
@@ -35,7 +35,7 @@ from pathlib import Path
 sys.path.insert(0, {repo!r})
 from smelt_jax.data import pipeline
 from smelt_jax.data.token_store import TokenStore
-from smelt_jax.exit_codes import PREEMPTED
+from smelt_jax.platform.exit_codes import PREEMPTED
 from smelt_jax.train import checkpoint, state, trainer
 from tests.test_trainer import OPTIONS, _run
 

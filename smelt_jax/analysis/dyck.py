@@ -30,7 +30,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from smelt_jax.errors import UsageError
+from smelt_jax.platform.errors import UsageError
 
 INSTRUCTION = (
     "Complete the rest of the sequence, making sure that the parentheses are closed properly. Input:"

@@ -98,7 +98,7 @@ def estimate_eval(cfg, corpus=None, *, seq_len: int, eval_tokens: int | None, dy
                   rate: float | None = None) -> EvalEstimate:
     """What evaluate_model(model of `cfg`, corpus, ...) with these arguments will run and cost.
     rate: the device's FLOP/s (default: train.mfu.peak_flops_per_device, a measured matmul on CPU)."""
-    from smelt_jax.budget import forward_flops_per_token, params_total
+    from smelt_jax.design.budget import forward_flops_per_token, params_total
 
     if rate is None:
         from smelt_jax.train.mfu import peak_flops_per_device

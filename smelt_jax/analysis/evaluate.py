@@ -26,7 +26,7 @@ import numpy as np
 import pandas as pd
 
 from smelt_jax.analysis import dyck as dyck_lib
-from smelt_jax.errors import MissingInput, UsageError
+from smelt_jax.platform.errors import MissingInput, UsageError
 
 LENGTH_BUCKETS: tuple[int, ...] = tuple(2**i for i in range(5, 13))  # 32, 64, ..., 4096
 # The shot counts of the paper's Dyck table; `smelt eval` runs Dyck only when asked (--dyck-shots):
@@ -159,8 +159,8 @@ def _find_run_root(target: str, root: Path | None) -> tuple[Path, int | None, in
                     branch = int(relative[0][6:])
                 return candidate, branch, step
         raise MissingInput(f"{target}: no run.json in it or in the 3 folders above it")
-    from smelt_jax.run_lookup import find_run
-    from smelt_jax.rundir import run_dir, runs_root
+    from smelt_jax.run_files.run_lookup import find_run
+    from smelt_jax.run_files.rundir import run_dir, runs_root
     base = root or runs_root()
     matches = sorted(base.glob(f"*/{target}/run.json"))  # a run folder of this exact name, as it is
     if matches:
@@ -176,8 +176,8 @@ def run_corpus(loaded: LoadedModel, data_dir: str | None = None):
     """The corpus to evaluate `loaded` on: `data_dir` when given, else the token store its run trained
     on (run.json's record; `run_data.evaluation_data`)."""
     from smelt_jax.data.corpus import open_dataset
-    from smelt_jax.rundir import RunDir
-    from smelt_jax.run_data import evaluation_data
+    from smelt_jax.run_files.rundir import RunDir
+    from smelt_jax.run_files.run_data import evaluation_data
 
     run_id = str(loaded.run.get("id", loaded.run_root.name))
     return evaluation_data(run_id, RunDir(loaded.run_root).spec_file, data_dir=data_dir, open_store=open_dataset)
@@ -193,9 +193,9 @@ def load_model(target: str, branch: int | None = None, *, root: Path | None = No
     import jax
     from flax import nnx
 
-    from smelt_jax.config import ModelConfig, Schedule
-    from smelt_jax.rundir import RunDir
-    from smelt_jax.run_spec_file import read_run_record
+    from smelt_jax.design.config import ModelConfig, Schedule
+    from smelt_jax.run_files.rundir import RunDir
+    from smelt_jax.run_files.run_spec_file import read_run_record
     from smelt_jax.train.checkpoint import Checkpointer, abstract_like
     from smelt_jax.train.state import abstract_train_state
     from smelt_jax.train.step import optimizer

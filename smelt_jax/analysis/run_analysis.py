@@ -29,7 +29,7 @@ import pandas as pd
 from smelt_jax.analysis import attention as attention_lib
 from smelt_jax.analysis import dyck as dyck_lib
 from smelt_jax.analysis import mechanistic as mech
-from smelt_jax.errors import UsageError
+from smelt_jax.platform.errors import UsageError
 
 TOKEN_CAPTURES = ("topk_ids", "dx_attn", "dx_moe", "normed_input", "q", "k", "v", "pv", "attn_out")
 GU_LENGTH = attention_lib.GU_SEQ_LEN
@@ -287,7 +287,7 @@ def write_tables(tables: dict[str, pd.DataFrame], folder) -> list[Any]:
     """Each table as `<folder>/<name>.csv` (a local folder or gs://...); returns the paths (URLs)."""
     from pathlib import Path
 
-    from smelt_jax import storage as gcs
+    from smelt_jax.platform import storage as gcs
 
     if gcs.is_gcs(folder):
         urls = [gcs.join(str(folder), f"{name}.csv") for name in tables]

@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import pandas as pd
 
-from smelt_jax.errors import SmeltError, UsageError
+from smelt_jax.platform.errors import SmeltError, UsageError
 
 ScoreFn = Callable[[list[str], list[str]], Sequence[tuple[float, int, bool]]]
 TASK_KINDS = ("lm", "mc")

@@ -1,7 +1,7 @@
 """The `smelt` command: a thin layer over library functions.
 
 Each module in this package that defines `register(subparsers)` adds its subcommands; a handler
-returns an exit code. A `SmeltError` (smelt_jax/errors.py: the user's input was wrong) becomes one
+returns an exit code. A `SmeltError` (smelt_jax/platform/errors.py: the user's input was wrong) becomes one
 line on stderr and exit code 2; any other exception is a bug and keeps its traceback.
 """
 
@@ -16,10 +16,10 @@ import pkgutil
 import sys
 import warnings
 
-from smelt_jax.errors import SmeltError
-from smelt_jax.exit_codes import USER_ERROR
-from smelt_jax.fit_isa import FIT_COMMANDS, pin_this_process
-from smelt_jax.platform import pin_cpu_without_accelerator
+from smelt_jax.platform.errors import SmeltError
+from smelt_jax.platform.exit_codes import USER_ERROR
+from smelt_jax.platform.fit_isa import FIT_COMMANDS, pin_this_process
+from smelt_jax.platform.jax_platform import pin_cpu_without_accelerator
 
 
 class CliError(SmeltError):
@@ -89,16 +89,16 @@ def _describe_commands(parser: argparse.ArgumentParser) -> None:
 def main(argv: list[str] | None = None) -> int:
     given = sys.argv[1:] if argv is None else argv
     if given and given[0] in FIT_COMMANDS:
-        pin_this_process()  # before NumPy and JAX load: the same bits on every CPU (smelt_jax/fit_isa.py)
+        pin_this_process()  # before NumPy and JAX load: the same bits on every CPU (smelt_jax/platform/fit_isa.py)
     pin_cpu_without_accelerator()
-    import experiments  # noqa: F401 — the suites fill the library's registry (smelt_jax.suites)
+    import experiments  # noqa: F401 — the suites fill the library's registry (smelt_jax.design.suites)
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "handler", None):
         parser.print_help()
         return USER_ERROR
     try:
-        from smelt_jax.path_names import check_arguments
+        from smelt_jax.run_files.path_names import check_arguments
         check_arguments(vars(args))  # every path-bearing argument, before the command runs
         return int(args.handler(args) or 0)
     except SmeltError as err:  # the user's input was wrong: one line; anything else is a bug

@@ -58,7 +58,7 @@ def cmd_compile_report(args) -> int:
 
     import experiments
     from experiments import placement
-    from smelt_jax import paper
+    from smelt_jax.design import paper
     from smelt_jax.compile import layout_search as ls
 
     from smelt_jax.compile.checkpoint_cadence import cadence_file

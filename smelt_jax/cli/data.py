@@ -154,7 +154,7 @@ def _describe_tokenizer(tokenizer) -> str:
 
 @filesystem_errors
 def _prepare(args) -> int:
-    from smelt_jax import storage
+    from smelt_jax.platform import storage
     from smelt_jax.data.hf_tokenizer import TokenizerError, load_tokenizer
     from smelt_jax.data.prepare import PrepareConfig, PrepareError, prepare
     from smelt_jax.data.token_store import StoreError

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 
-from smelt_jax import suites
-from smelt_jax import budget as budget_lib
-from smelt_jax import paper
-from smelt_jax.descriptors import RunSpec
-from smelt_jax.pairs import budget_rows, compare_pair
+from smelt_jax.design import suites
+from smelt_jax.design import budget as budget_lib
+from smelt_jax.design import paper
+from smelt_jax.design.descriptors import RunSpec
+from smelt_jax.design.pairs import budget_rows, compare_pair
 
 
 def _suites():
@@ -23,7 +23,7 @@ def _fmt(value: float) -> str:
 def cmd_list(args) -> int:
     import sys
 
-    from smelt_jax.run_lookup import saved_runs
+    from smelt_jax.run_files.run_lookup import saved_runs
     ex = _suites()
     names = [args.suite] if args.suite else list(ex.SUITE_NAMES)
     runs = [run for name in names if name in ex.SUITE_NAMES or not args.runs_dir
@@ -54,13 +54,13 @@ def cmd_list(args) -> int:
 
 
 def cmd_show(args) -> int:
-    from smelt_jax.run_lookup import find_run
+    from smelt_jax.run_files.run_lookup import find_run
     print(json.dumps(find_run(args.id, args.runs_dir).to_dict(), indent=2))
     return 0
 
 
 def cmd_budget(args) -> int:
-    from smelt_jax.run_lookup import find_run
+    from smelt_jax.run_files.run_lookup import find_run
     run = find_run(args.id, args.runs_dir)
     print(f"{run.id}  (attention at {budget_lib.ATTENDED_KEYS:.0f} keys/query; docs/budget.md)")
     for name, value in budget_rows(run).items():

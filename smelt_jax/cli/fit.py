@@ -148,7 +148,7 @@ def register(subparsers) -> None:
                               description="fits/paper (published coefficients -> CE gains, TPP), "
                                           "fits/chinchilla (Epoch AI replication with bootstrap SEs) and "
                                           "every fits/SUITE holding a results.csv (as fit-suite). Fits "
-                                          "run with the CPU's kernels capped at AVX2 (smelt_jax/fit_isa.py), "
+                                          "run with the CPU's kernels capped at AVX2 (smelt_jax/platform/fit_isa.py), "
                                           "so every x86 machine writes the same bytes.")
     p.add_argument("--fits-dir", default="fits", help="output folder (default fits/)")
     p.add_argument("--chinchilla-draws", type=int, default=4000, help="bootstrap draws for the Chinchilla SEs")

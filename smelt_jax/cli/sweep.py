@@ -5,7 +5,7 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
-from smelt_jax import suites
+from smelt_jax.design import suites
 from smelt_jax.cli import CliError, filesystem_errors
 from smelt_jax.sweep.base import CAPACITIES
 from smelt_jax.sweep.graph import JobGraph, JobStatus, suite_graph
@@ -15,7 +15,7 @@ BACKENDS = ("local", "xpk", "tpu-vm")
 
 def _runs_root(value: str | None):
     """--runs-dir as a path (a gs:// URL stays whole: storage.as_path), or None for the default."""
-    from smelt_jax.storage import as_path
+    from smelt_jax.platform.storage import as_path
     return as_path(value) if value else None
 
 

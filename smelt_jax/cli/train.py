@@ -7,9 +7,9 @@ import json
 import sys
 
 from smelt_jax.cli import CliError, filesystem_errors, one_line_warnings
-from smelt_jax.config import REMAT_POLICIES
-from smelt_jax.errors import UsageError
-from smelt_jax.exit_codes import NONFINITE, PREEMPTED
+from smelt_jax.design.config import REMAT_POLICIES
+from smelt_jax.platform.errors import UsageError
+from smelt_jax.platform.exit_codes import NONFINITE, PREEMPTED
 
 
 def _default(name: str):
@@ -41,12 +41,12 @@ def cmd_train(args) -> int:
                            eval_every=args.eval_every, stop_after=args.stop_after,
                            progress=not args.quiet, profile=profile, tensorboard=not args.no_tensorboard,
                            wandb=args.wandb or "")
-    from smelt_jax import storage
-    from smelt_jax.rundir import runs_root
-    from smelt_jax.storage import as_path
+    from smelt_jax.platform import storage
+    from smelt_jax.run_files.rundir import runs_root
+    from smelt_jax.platform.storage import as_path
     root = as_path(args.runs_dir) if args.runs_dir else runs_root()  # an unsupported scheme: one line
     storage.require_folder(root, "runs root")
-    from smelt_jax.run_lookup import run_to_train
+    from smelt_jax.run_files.run_lookup import run_to_train
     run = run_to_train(args.id, args.config, args.override or [], root)
     if args.branch is not None and not 0 <= args.branch < len(run.schedule.fork_steps):
         raise UsageError(f"--branch {args.branch}: {run.id} has branches 0..{len(run.schedule.fork_steps) - 1}")

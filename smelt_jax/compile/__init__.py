@@ -9,5 +9,5 @@
   the resumable loop behind `smelt compile-report`. A suite's policy (slice per scale, expert axis
   sizes, order) comes from `experiments.placement`.
 
-Hardware numbers (HBM, peak, ICI, slice shapes) live in `smelt_jax.hardware`.
+Hardware numbers (HBM, peak, ICI, slice shapes) live in `smelt_jax.platform.hardware`.
 """

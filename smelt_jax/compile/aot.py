@@ -23,7 +23,7 @@ from typing import Any
 import jax
 
 from smelt_jax.compile.program_flops import program_flops
-from smelt_jax.errors import SmeltError, UsageError
+from smelt_jax.platform.errors import SmeltError, UsageError
 
 
 class TpuCompileError(RuntimeError):

@@ -6,8 +6,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 
-from smelt_jax.descriptors import Parallelism, RunSpec
-from smelt_jax.hardware import parse_slice
+from smelt_jax.design.descriptors import Parallelism, RunSpec
+from smelt_jax.platform.hardware import parse_slice
 
 REMAT_ORDER = ("none", "dots", "full")  # compile order (layout_search.search_layout walks it)
 

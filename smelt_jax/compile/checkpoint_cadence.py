@@ -82,7 +82,7 @@ def checkpoint_args(run, path: Path | None = None) -> list[str]:
     """['--checkpoint-every', N] from the run's suite cadence file (default: beside its layouts file),
     or [] when the file or the run's entry is missing."""
     if path is None:
-        from smelt_jax import suites  # the suites' files live with the suites (experiments/)
+        from smelt_jax.design import suites  # the suites' files live with the suites (experiments/)
 
         path = cadence_file(suites.layouts_file(run.suite))
     if not Path(path).exists():

@@ -44,14 +44,14 @@ from smelt_jax.compile.report import (
     read_hlo,
     with_accounting,
 )
-from smelt_jax.descriptors import Parallelism, RunSpec, content_hash
-from smelt_jax.errors import UsageError
-from smelt_jax.hardware import parse_slice
+from smelt_jax.design.descriptors import Parallelism, RunSpec, content_hash
+from smelt_jax.platform.errors import UsageError
+from smelt_jax.platform.hardware import parse_slice
 from smelt_jax.compile.pair_cost import BEGIN as COST_BEGIN
 from smelt_jax.compile.pair_cost import END as COST_END
 from smelt_jax.compile.pair_cost import cost_table
 from smelt_jax.parallel.layout import run_key
-from smelt_jax.paths import checkout_root
+from smelt_jax.platform.paths import checkout_root
 
 # Bump when the compiled program or the report's fields change: older cache files are then ignored.
 CACHE_VERSION = 5  # 2: Pallas lane tiles chosen to pad least; HLO kept. 3: splash + ragged defaults on TPU

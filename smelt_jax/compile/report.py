@@ -33,15 +33,15 @@ from typing import Any
 
 import jax
 
-from smelt_jax import budget as budget_lib
-from smelt_jax import sharding
+from smelt_jax.design import budget as budget_lib
+from smelt_jax.parallel import sharding
 from smelt_jax.compile import aot, checkpoint_cadence
 from smelt_jax.compile.overflow import step_overflow_passes
 from smelt_jax.compile.breakdown import Breakdown, TopRow, breakdown, format_breakdown
 from smelt_jax.compile.hlo_stats import COLLECTIVE_KINDS, EXCHANGE_KINDS, hlo_stats
 from smelt_jax.compile.program_flops import ProgramFlops, program_flops
-from smelt_jax.descriptors import Parallelism, RunSpec
-from smelt_jax.hardware import Slice, parse_slice
+from smelt_jax.design.descriptors import Parallelism, RunSpec
+from smelt_jax.platform.hardware import Slice, parse_slice
 from smelt_jax.kernels import splash
 from smelt_jax.kernels.backend import choose_attention_backend, choose_expert_backend, choose_expert_exchange
 from smelt_jax.model.expert_exchange import buffer_fill, token_axes

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from smelt_jax.compile.report import ANALYSIS_VERSION, CompileReport
-from smelt_jax.errors import UsageError
+from smelt_jax.platform.errors import UsageError
 
 LEFT_OUT = ("hbm_top",)  # per-instruction rows: `smelt compile ID --breakdown` prints them
 

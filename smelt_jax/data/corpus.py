@@ -37,8 +37,8 @@ from smelt_jax.data.hf_tokenizer import BytesTokenizer
 from smelt_jax.data.inputs import PINNED_ARCHIVES, Archive, archive_table, fetch_inputs
 from smelt_jax.data.sources import DEFAULT_SOURCES, Roots, SourceSpec, collect_source
 from smelt_jax.data.tokenizer import DEFAULT_TOKENIZER, ByteTokenizer
-from smelt_jax.errors import SmeltError, UsageError
-from smelt_jax.paths import checkout_root
+from smelt_jax.platform.errors import SmeltError, UsageError
+from smelt_jax.platform.paths import checkout_root
 
 CORPUS_VERSION = "smelt-default-v3"  # v3: a token store (v2: numpy files)
 # The digest the default recipe must produce (with the per-file hashes that explain a mismatch).

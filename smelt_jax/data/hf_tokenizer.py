@@ -23,9 +23,9 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from smelt_jax import storage as gcs
+from smelt_jax.platform import storage as gcs
 from smelt_jax.data.tokenizer import DEFAULT_TOKENIZER, ByteTokenizer
-from smelt_jax.errors import SmeltError
+from smelt_jax.platform.errors import SmeltError
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 _CANDIDATES = {

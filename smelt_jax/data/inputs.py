@@ -31,7 +31,7 @@ import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
-from smelt_jax.errors import SmeltError
+from smelt_jax.platform.errors import SmeltError
 
 # Files above this size are never read by the sources (sources.MAX_FILE_BYTES); skip them at extraction.
 EXTRACT_MAX_BYTES = 1 << 20

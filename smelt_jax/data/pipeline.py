@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from smelt_jax.errors import UsageError
+from smelt_jax.platform.errors import UsageError
 
 if TYPE_CHECKING:
     from smelt_jax.data.token_store import TokenStore
@@ -171,7 +171,7 @@ class TrainPipeline:
 
     @classmethod
     def from_schedule(cls, corpus: Documents, schedule, **host) -> TrainPipeline:
-        """Batches for a `smelt_jax.config.Schedule`: its batch_size, seq_len and seed."""
+        """Batches for a `smelt_jax.design.config.Schedule`: its batch_size, seq_len and seed."""
         return cls(corpus, batch_size=schedule.batch_size, seq_len=schedule.seq_len, seed=schedule.seed,
                    **host)
 

@@ -38,10 +38,10 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from smelt_jax import storage as gcs
+from smelt_jax.platform import storage as gcs
 from smelt_jax.data import input_checks, worker_pool
 from smelt_jax.data import token_store as tsd
-from smelt_jax.errors import SmeltError, UsageError
+from smelt_jax.platform.errors import SmeltError, UsageError
 
 INPUT_SUFFIXES = (".jsonl", ".json", ".ndjson", ".jsonl.zst", ".json.zst", ".zst", ".jsonl.gz", ".gz",
                   ".parquet", *input_checks.TEXT_SUFFIXES)

@@ -40,8 +40,8 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from smelt_jax import storage as gcs
-from smelt_jax.errors import SmeltError, UnknownName
+from smelt_jax.platform import storage as gcs
+from smelt_jax.platform.errors import SmeltError, UnknownName
 
 STORE_FORMAT = "smelt-token-store/1"
 MANIFEST_NAME = "manifest.json"

@@ -17,7 +17,7 @@ import dataclasses
 
 import numpy as np
 
-from smelt_jax.errors import UsageError
+from smelt_jax.platform.errors import UsageError
 
 TOKENIZER_VERSION = "bytes-v1"
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import itertools
 from collections import Counter
 
-from smelt_jax import storage as gcs
+from smelt_jax.platform import storage as gcs
 from smelt_jax.data.hf_tokenizer import HFTokenizer, TokenizerError, train_bpe
 from smelt_jax.data.input_checks import no_documents_message
 from smelt_jax.data.prepare import INPUT_SUFFIXES, PrepareConfig, iter_texts

@@ -1,7 +1,7 @@
 """Compute kernels behind one call each: `expert_ffn` runs every expert's SwiGLU on its rows, with the
 backend chosen by `choose_expert_backend` (`smelt_jax.kernels.backend`, the only place that decides).
 
-The names below load on first use, so `smelt_jax.config` can import `kernels.backend` (the list of
+The names below load on first use, so `smelt_jax.design.config` can import `kernels.backend` (the list of
 backend names) without importing JAX."""
 
 from __future__ import annotations

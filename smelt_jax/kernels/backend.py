@@ -65,7 +65,7 @@ UNEMBEDDING_FORMS = ("einsum", "matmul")
 AUTO_UNEMBEDDING_FORM = {"tpu": "einsum", "gpu": "einsum", "cpu": "matmul"}
 LAYER_LOOPS = ("auto", "scan", "unrolled")  # valid `Decoder.layer_loop` values
 AUTO_LAYER_LOOP = {"tpu": "scan", "gpu": "scan", "cpu": "unrolled"}
-EXPERT_AXIS = "expert"  # the mesh axis experts are sharded over (smelt_jax.sharding.MESH_AXES)
+EXPERT_AXIS = "expert"  # the mesh axis experts are sharded over (smelt_jax.parallel.sharding.MESH_AXES)
 
 
 def _axis_size(mesh, axis: str) -> int:

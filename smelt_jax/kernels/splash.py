@@ -35,8 +35,8 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ke
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
 from jax.sharding import PartitionSpec as P
 
-from smelt_jax import sharding
-from smelt_jax.errors import UsageError
+from smelt_jax.parallel import sharding
+from smelt_jax.platform.errors import UsageError
 from smelt_jax.kernels.backend import SPLASH_SEQ_MULTIPLE, pallas_interpret
 
 BLOCKS = (512, 256, 128)  # the largest that divides the row length is used (one size for every block)

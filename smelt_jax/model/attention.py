@@ -25,11 +25,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from smelt_jax.config import ModelConfig
+from smelt_jax.design.config import ModelConfig
 from smelt_jax.kernels.backend import CAUSAL_BLOCK, choose_attention_backend
 from smelt_jax.kernels.splash import splash_attention
 from smelt_jax.model.rope import apply_rope
-from smelt_jax.sharding import constrain, current_mesh, param
+from smelt_jax.parallel.sharding import constrain, current_mesh, param
 
 INIT_STD = 0.02
 

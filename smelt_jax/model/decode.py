@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from smelt_jax.config import ModelConfig
-from smelt_jax.errors import UsageError
+from smelt_jax.design.config import ModelConfig
+from smelt_jax.platform.errors import UsageError
 from smelt_jax.model.decoder import Decoder, stack_layers
 
 

@@ -21,13 +21,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from smelt_jax.config import REMAT_POLICIES, ModelConfig
+from smelt_jax.design.config import REMAT_POLICIES, ModelConfig
 from smelt_jax.kernels.backend import choose_layer_loop
 from smelt_jax.model.attention import INIT_STD, truncated_normal
 from smelt_jax.model.layer import distinct_scan_lengths, loop_over, make_stack, run_stack
 from smelt_jax.model.norm import RMSNorm
 from smelt_jax.model.rope import rope_angles
-from smelt_jax.sharding import constrain, current_mesh, param
+from smelt_jax.parallel.sharding import constrain, current_mesh, param
 
 STACKS = ("prefix", "loop", "suffix")
 LOAD_STATS = ("counts", "max_over_mean", "dropped_fraction")

@@ -15,7 +15,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from smelt_jax.config import ModelConfig
+from smelt_jax.design.config import ModelConfig
 
 
 def expert_capacity(cfg: ModelConfig, tokens: int) -> int | None:

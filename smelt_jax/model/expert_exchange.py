@@ -46,8 +46,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from smelt_jax import sharding
-from smelt_jax.errors import UsageError
+from smelt_jax.parallel import sharding
+from smelt_jax.platform.errors import UsageError
 from smelt_jax.kernels.backend import EXPERT_AXIS
 from smelt_jax.model.dispatch import Dispatch
 from smelt_jax.model.exchange_overflow import overflow_outputs

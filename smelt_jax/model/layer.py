@@ -13,12 +13,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from smelt_jax.config import ModelConfig
+from smelt_jax.design.config import ModelConfig
 from smelt_jax.kernels import splash
 from smelt_jax.model.attention import Attention
 from smelt_jax.model.moe import MoE
 from smelt_jax.model.norm import RMSNorm
-from smelt_jax.sharding import constrain
+from smelt_jax.parallel.sharding import constrain
 
 # Attention probabilities are captured only for rows at most this long ([b, heads, s, keys] each;
 # 1024 fits a 4-shot Dyck prompt in bytes).

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from smelt_jax.kernels.backend import choose_unembedding_form
-from smelt_jax.sharding import constrain, current_mesh
+from smelt_jax.parallel.sharding import constrain, current_mesh
 
 # Logits per batch row in one chunk: 2**24 = 256 positions at a 65,536 vocabulary (256 MiB of float32 per
 # device at 4 rows a device), the whole row at the CPU suites' 512.

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from smelt_jax.config import ModelConfig
+from smelt_jax.design.config import ModelConfig
 from smelt_jax.kernels.backend import choose_expert_backend, choose_expert_exchange, expert_axis_size
 from smelt_jax.model.attention import INIT_STD, truncated_normal
 from smelt_jax.model.dispatch import Dispatch, dispatch, expert_capacity
@@ -32,7 +32,7 @@ from smelt_jax.model.expert_compute import local_expert_outputs
 from smelt_jax.model.expert_exchange import exchanged_moe_outputs
 from smelt_jax.model.ring_exchange import ring_expert_outputs
 from smelt_jax.model.router import Router, Routing, expert_load_stats
-from smelt_jax.sharding import current_mesh, param
+from smelt_jax.parallel.sharding import current_mesh, param
 
 
 def combine(y_copies: jax.Array, weights: jax.Array) -> jax.Array:

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from smelt_jax.sharding import param
+from smelt_jax.parallel.sharding import param
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:

@@ -16,9 +16,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from smelt_jax.config import ModelConfig
+from smelt_jax.design.config import ModelConfig
 from smelt_jax.model.attention import INIT_STD, truncated_normal
-from smelt_jax.sharding import param
+from smelt_jax.parallel.sharding import param
 
 
 @dataclasses.dataclass(frozen=True)

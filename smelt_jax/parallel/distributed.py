@@ -12,7 +12,7 @@ from collections.abc import Mapping
 
 import jax
 
-from smelt_jax.errors import UsageError
+from smelt_jax.platform.errors import UsageError
 
 # Environment variables whose presence means "this process is one of several that JAX can find".
 _CLUSTER_MARKERS = (

@@ -8,8 +8,8 @@ import dataclasses
 import json
 from pathlib import Path
 
-from smelt_jax.descriptors import Parallelism, RunSpec
-from smelt_jax.errors import UsageError
+from smelt_jax.design.descriptors import Parallelism, RunSpec
+from smelt_jax.platform.errors import UsageError
 
 AXES = ("data", "fsdp", "expert", "tensor")
 

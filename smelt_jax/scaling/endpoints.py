@@ -17,7 +17,7 @@ import math
 import numpy as np
 import pandas as pd
 
-from smelt_jax.errors import UsageError
+from smelt_jax.platform.errors import UsageError
 from smelt_jax.scaling import fit, gains
 from smelt_jax.scaling.laws import SmeltLaw, SmeltLawFixedExponents
 

@@ -23,7 +23,7 @@ import numpy as np
 
 from smelt_jax.scaling import lbfgs
 from smelt_jax.scaling.laws import ChinchillaLaw
-from smelt_jax.errors import UsageError
+from smelt_jax.platform.errors import UsageError
 
 HUBER_DELTA = 1e-3
 # Hoffmann et al.'s unrounded estimates in the raw order (log E, log A, log B, alpha, beta); Epoch's BFGS start.

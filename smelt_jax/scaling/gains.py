@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from smelt_jax.scaling.laws import SmeltLaw
-from smelt_jax.errors import UsageError
+from smelt_jax.platform.errors import UsageError
 
 # Far above any training run (all of today's computing is ~1e30 FLOP/year); beyond it the frontier
 # losses are numerically at E and the gains (1 - C/C_ref) are artefacts (-4e271 at C=1e300).

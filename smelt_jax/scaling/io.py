@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from smelt_jax.paths import REFERENCE_DATA
+from smelt_jax.platform.paths import REFERENCE_DATA
 from smelt_jax.scaling.laws import LAWS, law_from_dict
-from smelt_jax.errors import MissingInput, UsageError
+from smelt_jax.platform.errors import MissingInput, UsageError
 
 # Columns each law's fit needs; `loss` always, `cell` for the cell bootstrap (optional for Chinchilla and
 # the looped law: each row is then its own cell).

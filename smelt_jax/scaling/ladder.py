@@ -20,7 +20,7 @@ import math
 import numpy as np
 import pandas as pd
 
-from smelt_jax import paper
+from smelt_jax.design import paper
 
 MIN_TOKENS = 3.5e6  # "at >= 4M tokens": the 4, 7 and 10M branches (endpoints land a few thousand tokens off)
 FORMS = ("log-linear", "power", "width+tokens")

@@ -15,7 +15,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from smelt_jax.errors import UsageError
+from smelt_jax.platform.errors import UsageError
 
 
 def _positive(name: str, value: float) -> None:

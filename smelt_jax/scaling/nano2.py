@@ -15,7 +15,7 @@ import math
 import numpy as np
 import pandas as pd
 
-from smelt_jax import paper
+from smelt_jax.design import paper
 from smelt_jax.scaling.endpoints import sign_test_p
 
 DELTA = 0.015  # nats: about twice the largest seed-to-seed change of a pair's difference at 4-10M (0.0072)

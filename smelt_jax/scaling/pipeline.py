@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from smelt_jax import paper
-from smelt_jax.errors import MissingInput, UsageError
+from smelt_jax.design import paper
+from smelt_jax.platform.errors import MissingInput, UsageError
 from smelt_jax.scaling import bootstrap, endpoints, fit, gains, health, io, nano2_report, preregistered, tables, written
 from smelt_jax.scaling.laws import LAWS, ChinchillaLaw, SmeltLaw
 

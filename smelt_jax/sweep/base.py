@@ -23,11 +23,11 @@ import sys
 from pathlib import Path
 from typing import Protocol
 
-from smelt_jax import storage
-from smelt_jax.rundir import results_path, run_dir
+from smelt_jax.platform import storage
+from smelt_jax.run_files.rundir import results_path, run_dir
 from smelt_jax.sweep.graph import Job, JobGraph, JobStatus, artifact_statuses
 from smelt_jax.sweep.tpu import layout_args
-from smelt_jax.errors import SmeltError, UsageError
+from smelt_jax.platform.errors import SmeltError, UsageError
 
 
 @dataclasses.dataclass(frozen=True)

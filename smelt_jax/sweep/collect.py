@@ -5,7 +5,7 @@ the suite's store; a process killed between the two leaves an endpoint without i
 appends every such row, so no endpoint is lost and none is trained twice. Appends replace rows of the
 same (run_id, branch), so collecting twice changes nothing.
 
-Run folders may be local or on a bucket (gs://, read directly through `smelt_jax.storage`, i.e.
+Run folders may be local or on a bucket (gs://, read directly through `smelt_jax.platform.storage`, i.e.
 tensorstore: no gcsfs needed); the rows go to the results store of each suite under `store_root`
 (default: the runs root, which may itself be the bucket). Collecting from a bucket lists every object
 under the suite's prefix (checkpoint files included) and reads the `endpoint.json` ones.
@@ -17,10 +17,10 @@ import dataclasses
 import json
 from pathlib import Path
 
-from smelt_jax.rundir import results_dir, runs_root
-from smelt_jax.storage import is_gcs
+from smelt_jax.run_files.rundir import results_dir, runs_root
+from smelt_jax.platform.storage import is_gcs
 from smelt_jax.sweep.graph import stored_endpoint_keys
-from smelt_jax.errors import MissingInput, UsageError
+from smelt_jax.platform.errors import MissingInput, UsageError
 
 ENDPOINT_GLOB = "*/branch*/endpoint.json"  # <suite>/<run id>/branch<k>/endpoint.json
 
@@ -49,7 +49,7 @@ def _read_row(text: str, where) -> dict:
 def endpoint_result(row: dict, where="endpoint row"):
     """The `EndpointResult` an endpoint.json row describes (loss_<source> keys -> losses_by_source);
     a row with missing or bad fields is a UsageError naming `where` (the file)."""
-    from smelt_jax.results import FIXED_COLUMNS, LOSS_PREFIX, EndpointResult
+    from smelt_jax.run_files.results import FIXED_COLUMNS, LOSS_PREFIX, EndpointResult
     optional = {f.name for f in dataclasses.fields(EndpointResult)
                 if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING}
     missing = [c for c in FIXED_COLUMNS if c not in row and c not in optional]
@@ -69,7 +69,7 @@ def _append_missing(suite: str, found: list[tuple[str, str]], store_root: Path) 
     truncated or stale results.csv is repaired even when nothing was missing. `found`: (where, the
     file's text) per endpoint file. A damaged results.parquet is set aside and rebuilt from every
     endpoint file; a file that does not parse or holds a bad row is reported and the rest collected."""
-    from smelt_jax.results import append_result, rewrite_csv, set_aside_damaged
+    from smelt_jax.run_files.results import append_result, rewrite_csv, set_aside_damaged
     folder = results_dir(suite, store_root)
     aside = set_aside_damaged(folder)
     stored = stored_endpoint_keys(suite, store_root)
@@ -99,7 +99,7 @@ def collect_suite(suite: str, root: Path | None = None) -> CollectReport:
 def collect_run(run_id: str, root: Path | None = None) -> CollectReport:
     """Appends the missing endpoint rows of one run (an id or unique prefix: `run_lookup.find_run`,
     the suites then the runs root) to its suite's store under a local runs root."""
-    from smelt_jax.run_lookup import find_run
+    from smelt_jax.run_files.run_lookup import find_run
     root = Path(root) if root is not None else runs_root()
     run = find_run(run_id, root)
     files = sorted((root / run.suite / run.id).glob("branch*/endpoint.json"))
@@ -110,7 +110,7 @@ def _bucket_endpoints(root: str, suite: str | None = None) -> list[str]:
     """URLs of the endpoint.json files under `root` (one suite, or all of them)."""
     import fnmatch
 
-    from smelt_jax import storage as gcs
+    from smelt_jax.platform import storage as gcs
     base = root.rstrip("/") + "/"
     prefix = base + suite if suite else root.rstrip("/")
     pattern = ENDPOINT_GLOB if suite else "*/" + ENDPOINT_GLOB
@@ -123,7 +123,7 @@ def _bucket_endpoints(root: str, suite: str | None = None) -> list[str]:
 
 
 def _bucket_files(root: str, suite: str) -> list[tuple[str, str]]:
-    from smelt_jax import storage as gcs
+    from smelt_jax.platform import storage as gcs
     return [(url, gcs.read_text(url)) for url in _bucket_endpoints(root, suite)]
 
 
@@ -141,7 +141,7 @@ def collect(root: str | Path | None = None, suites: list[str] | None = None,
         if not suites:
             base = root_text.rstrip("/") + "/"
             suites = sorted({url[len(base):].split("/", 1)[0] for url in _bucket_endpoints(root_text)})
-        from smelt_jax.storage import as_path
+        from smelt_jax.platform.storage import as_path
         store = as_path(store_root) if store_root is not None else runs_root()
         return [_append_missing(suite, _bucket_files(root_text, suite), store) for suite in suites]
     if "://" in root_text:
@@ -159,9 +159,9 @@ def export(suite: str, out_path: str | Path, root: Path | None = None,
     (`fits/<suite>/results.csv`: scaling.endpoints.export_table): the suite's own grid runs only, unless
     `include_custom` (then every row, with an `origin` column: grid, override, config). Returns (endpoint
     rows written, off-grid rows left out)."""
-    from smelt_jax.results import read_results
-    from smelt_jax.rundir import results_dir
-    from smelt_jax.run_lookup import grid_ids
+    from smelt_jax.run_files.results import read_results
+    from smelt_jax.run_files.rundir import results_dir
+    from smelt_jax.run_files.run_lookup import grid_ids
     from smelt_jax.scaling.endpoints import export_table
 
     table = read_results(results_dir(suite, root))

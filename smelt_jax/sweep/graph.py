@@ -27,13 +27,13 @@ import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from smelt_jax.config import content_hash
-from smelt_jax.descriptors import RunSpec
-from smelt_jax.checkpoint_format import checkpoint_damage, committed_steps
-from smelt_jax.rundir import results_dir, run_dir, runs_root
-from smelt_jax import storage
-from smelt_jax.storage import as_path
-from smelt_jax.errors import UnknownName, UsageError
+from smelt_jax.design.config import content_hash
+from smelt_jax.design.descriptors import RunSpec
+from smelt_jax.run_files.checkpoint_format import checkpoint_damage, committed_steps
+from smelt_jax.run_files.rundir import results_dir, run_dir, runs_root
+from smelt_jax.platform import storage
+from smelt_jax.platform.storage import as_path
+from smelt_jax.platform.errors import UnknownName, UsageError
 
 # JobSet names child Jobs `<jobset>-<replicated job>-<index>` and Pods add `-<index>-<5 chars>`, all
 # within 63 characters; xpk also caps workload names. 40 leaves room for both.
@@ -157,7 +157,7 @@ def build_graph(runs: Sequence[RunSpec]) -> JobGraph:
 
 
 def suite_graph(suite: str) -> JobGraph:
-    from smelt_jax import suites  # the descriptors live at the top of the repository (experiments/)
+    from smelt_jax.design import suites  # the descriptors live at the top of the repository (experiments/)
     runs = suites.load_suite(suite)
     if not runs:
         raise UsageError(f"suite {suite!r} has no runs yet (e.g. `nano` waits for the learning rates "
@@ -169,13 +169,13 @@ def suite_graph(suite: str) -> JobGraph:
 
 def endpoint_key(row: dict) -> tuple:
     """An endpoint's identity in the results store: (run_id, branch)."""
-    from smelt_jax.results import KEY
+    from smelt_jax.run_files.results import KEY
     return tuple(row[k] for k in KEY)
 
 
 def stored_endpoint_keys(suite: str, root: Path) -> set[tuple]:
     """The (run_id, branch) of every row in the suite's results store (empty if none yet)."""
-    from smelt_jax.results import KEY, TABLE_NAME, read_results
+    from smelt_jax.run_files.results import KEY, TABLE_NAME, read_results
     folder = results_dir(suite, root)
     if not storage.exists(storage.join(folder, TABLE_NAME)):
         return set()

@@ -26,8 +26,8 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from smelt_jax.errors import SmeltError, UsageError
-from smelt_jax.rundir import runs_root
+from smelt_jax.platform.errors import SmeltError, UsageError
+from smelt_jax.run_files.rundir import runs_root
 from smelt_jax.sweep.base import PlannedJob, quote
 from smelt_jax.sweep.collect import collect_suite
 from smelt_jax.sweep.graph import (
@@ -39,7 +39,7 @@ from smelt_jax.sweep.graph import (
     suite_graph,
 )
 
-from smelt_jax.exit_codes import PREEMPTED as RESTART_EXIT_CODE
+from smelt_jax.platform.exit_codes import PREEMPTED as RESTART_EXIT_CODE
 DEFAULT_COMMAND = (sys.executable, "-m", "smelt_jax")
 REFRESH_SECONDS = 2.0  # how often free slots look for branches that became ready mid-run
 
@@ -160,7 +160,7 @@ class _Progress:
     """A bar of finished jobs (a line per change off a terminal), with the running ones as its postfix."""
 
     def __init__(self, graph: JobGraph, done: int, enabled: bool):
-        from smelt_jax.progress import progress_bar
+        from smelt_jax.platform.progress import progress_bar
         self.bar = progress_bar(len(graph.jobs), initial=done, desc=f"sweep {graph.suite}",
                                 unit="job", disable=not enabled)
         self.shown: tuple = ()

@@ -13,8 +13,8 @@ import functools
 from pathlib import Path
 from typing import Any
 
-from smelt_jax.errors import MissingInput
-from smelt_jax.paths import REFERENCE_DATA
+from smelt_jax.platform.errors import MissingInput
+from smelt_jax.platform.paths import REFERENCE_DATA
 
 JOBSET_CRD = REFERENCE_DATA / "jobset" / "jobset.x-k8s.io_jobsets.yaml"
 JOBSET_VERSION = "v1alpha2"

@@ -1,7 +1,7 @@
 """What `smelt sweep status` reports beyond the job statuses: per-status counts, the endpoints a sweep
 should produce, how many are written in run folders and how many reached the results store, the
 jobs whose checkpoint is damaged, and the data each run trains on (its run.json's record:
-`smelt_jax.run_data`).
+`smelt_jax.run_files.run_data`).
 """
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from smelt_jax.results import read_results
-from smelt_jax.rundir import results_dir, run_dir
-from smelt_jax.run_data import recorded_data
+from smelt_jax.run_files.results import read_results
+from smelt_jax.run_files.rundir import results_dir, run_dir
+from smelt_jax.run_files.run_data import recorded_data
 from smelt_jax.sweep.graph import Job, JobGraph, JobStatus, count_statuses
 
 

@@ -44,7 +44,7 @@ from smelt_jax.sweep.tpu import tpu_slice, tpu_type_for
 
 GCLOUD_HINT = "install the Google Cloud CLI (cloud.google.com/sdk)"
 
-from smelt_jax.exit_codes import PREEMPTED as RESTART_EXIT_CODE
+from smelt_jax.platform.exit_codes import PREEMPTED as RESTART_EXIT_CODE
 POLL_SECONDS = 60
 DESCRIBE_TRIES = 5  # describe failures other than NOT_FOUND before a slice's state is UNKNOWN
 DESCRIBE_RETRY_SECONDS = 10

@@ -30,11 +30,11 @@ from smelt_jax.sweep.base import (
 from smelt_jax.sweep.graph import Job, JobGraph, JobStatus
 from smelt_jax.sweep.schema import validate_jobset
 from smelt_jax.sweep.tpu import tpu_slice, tpu_type_for
-from smelt_jax.errors import UsageError
+from smelt_jax.platform.errors import UsageError
 
 XPK_HINT = "install it with `pip install xpk` (github.com/AI-Hypercomputer/xpk)"
 
-from smelt_jax.exit_codes import PREEMPTED as RESTART_EXIT_CODE
+from smelt_jax.platform.exit_codes import PREEMPTED as RESTART_EXIT_CODE
 CONTAINER = "trainer"
 # Settings that --submit refuses while they are placeholders (the image is base.DEFAULT_IMAGE until
 # `--image` names the one `make image push-image` pushed); deleting a workload needs no image or bucket.

@@ -3,7 +3,7 @@
 A checkpoint at step s holds two items: `state`, a pytree of jax arrays (parameters and optimizer
 state), and `metadata`, a small JSON dict (the step, the data position, the run). The trainer saves and
 restores one `TrainState` whole (`save_state` / `restore_state`); the on-disk format is
-`smelt_jax.checkpoint_format`'s, which also judges a step (committed, whole, damaged). Saves are
+`smelt_jax.run_files.checkpoint_format`'s, which also judges a step (committed, whole, damaged). Saves are
 asynchronous: `save` returns once the arrays are copied off the devices, and the files are written in
 the background (`wait` blocks until they are committed).
 
@@ -49,10 +49,10 @@ import jax
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers
 
-from smelt_jax import checkpoint_format as fmt
-from smelt_jax import storage
-from smelt_jax.checkpoint_format import CheckpointAccessError
-from smelt_jax.errors import SmeltError
+from smelt_jax.run_files import checkpoint_format as fmt
+from smelt_jax.platform import storage
+from smelt_jax.run_files.checkpoint_format import CheckpointAccessError
+from smelt_jax.platform.errors import SmeltError
 
 if TYPE_CHECKING:
     from smelt_jax.train.state import TrainState

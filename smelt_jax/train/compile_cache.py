@@ -9,7 +9,7 @@ from pathlib import Path
 
 import jax
 
-from smelt_jax import storage
+from smelt_jax.platform import storage
 
 
 def default_cache_dir() -> Path:

@@ -10,17 +10,17 @@ from typing import Any
 
 import jax
 
-from smelt_jax import storage
-from smelt_jax.descriptors import RunSpec
-from smelt_jax.rundir import RunDir, results_dir
+from smelt_jax.platform import storage
+from smelt_jax.design.descriptors import RunSpec
+from smelt_jax.run_files.rundir import RunDir, results_dir
 
 
 def write_spec(run: RunSpec, rd: RunDir, data: dict | None = None) -> None:
     """`run.json` (the resolved descriptor, where it ran and the data it trains on:
-    `smelt_jax.run_data`), once: an existing one is kept. It is also the spec by which commands find a
-    run no suite defines (`smelt_jax.run_lookup`)."""
+    `smelt_jax.run_files.run_data`), once: an existing one is kept. It is also the spec by which commands find a
+    run no suite defines (`smelt_jax.run_files.run_lookup`)."""
     if not storage.exists(rd.spec_file):
-        from smelt_jax.run_spec_file import spec_digest
+        from smelt_jax.run_files.run_spec_file import spec_digest
         spec = run.to_dict()
         record = {**spec, "metadata": {**run_metadata(), "spec_digest": spec_digest(spec)}}
         if data is not None:
@@ -31,8 +31,8 @@ def write_spec(run: RunSpec, rd: RunDir, data: dict | None = None) -> None:
 def write_endpoint(run: RunSpec, branch: int, losses: dict[str, float], *, root: Path | None,
                    rd: RunDir) -> dict:
     """Append the endpoint's row to the suite's results store, then write endpoint.json."""
-    from smelt_jax.results import EndpointResult, append_result, git_commit
-    from smelt_jax.run_lookup import run_origin
+    from smelt_jax.run_files.results import EndpointResult, append_result, git_commit
+    from smelt_jax.run_files.run_lookup import run_origin
     b = run.budget()
     tokens = run.schedule.branch_tokens(branch)
     result = EndpointResult(
@@ -52,7 +52,7 @@ def run_metadata() -> dict[str, Any]:
     import flax
     import optax
 
-    from smelt_jax.results import git_commit
+    from smelt_jax.run_files.results import git_commit
     return {"git_commit": git_commit(), "jax": jax.__version__, "flax": flax.__version__,
             "optax": optax.__version__, "devices": jax.device_count(),
             "device_kind": jax.devices()[0].device_kind, "processes": jax.process_count(),

@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from smelt_jax import storage
+from smelt_jax.platform import storage
 from smelt_jax.train.loop import StepInfo
 
 
@@ -170,5 +170,5 @@ class Profiler:
 
 def progress_bar(total: int, initial: int, description: str):
     """Progress on stderr: a tqdm bar on a terminal, one plain line per log interval otherwise."""
-    from smelt_jax import progress
+    from smelt_jax.platform import progress
     return progress.progress_bar(total, initial=initial, unit="step", desc=description)

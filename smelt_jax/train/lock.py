@@ -40,7 +40,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol
 
-from smelt_jax.errors import SmeltError
+from smelt_jax.platform.errors import SmeltError
 
 LOCK_NAME = "trainer.lock"
 HEARTBEAT_SECONDS = 15.0
@@ -254,7 +254,7 @@ class GcsLease(LocalLock):
 
     def __init__(self, folder: str, *, description: str = "", stale_after: float | None = None) -> None:
         super().__init__(Path("."), description=description or str(folder), stale_after=stale_after)
-        from smelt_jax import storage as gcs
+        from smelt_jax.platform import storage as gcs
         self._gcs = gcs
         self.folder = str(folder).rstrip("/")
         self.path = f"{self.folder}/{LOCK_NAME}"
@@ -329,7 +329,7 @@ def _write_synced(path: Path, flags: int, data: bytes) -> None:
 
 def phase_lock(folder: str | os.PathLike, *, description: str = "") -> PhaseLock:
     """The lock of one run phase folder: `GcsLease` on gs://, else `LocalLock`."""
-    from smelt_jax import storage
+    from smelt_jax.platform import storage
     if storage.is_gcs(folder):
         return GcsLease(str(folder), description=description)
     return LocalLock(folder, description=description)

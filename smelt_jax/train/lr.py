@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import math
 
-from smelt_jax.config import Schedule
-from smelt_jax.errors import UsageError
+from smelt_jax.design.config import Schedule
+from smelt_jax.platform.errors import UsageError
 
 
 def phase_steps(schedule: Schedule, branch: int | None) -> tuple[int, int]:

@@ -22,7 +22,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from smelt_jax import storage as gcs
+from smelt_jax.platform import storage as gcs
 
 
 class TornLineWarning(UserWarning):

@@ -8,12 +8,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from smelt_jax import hardware
+from smelt_jax.platform import hardware
 
 
 def peak_flops_per_device() -> tuple[float, str]:
     """(peak FLOP/s of one device, where the number comes from): the device kind's published bf16
-    peak (`smelt_jax.hardware`), else a measured 1024^2 float32 matmul rate."""
+    peak (`smelt_jax.platform.hardware`), else a measured 1024^2 float32 matmul rate."""
     kind = jax.devices()[0].device_kind
     known = hardware.peak_flops_for_device_kind(kind)
     if known is not None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from smelt_jax.descriptors import RunSpec
-from smelt_jax.rundir import run_dir
+from smelt_jax.design.descriptors import RunSpec
+from smelt_jax.run_files.rundir import run_dir
 
 
 def finish_lines(run: RunSpec, branch: int | None, root: Path | None, *, stopped: bool = False,

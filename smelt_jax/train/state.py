@@ -9,10 +9,10 @@ shardings and with donation. The trainer, the compile tools and evaluation all b
     with jax.set_mesh(mesh):
         params, opt_state, metrics = step(params, opt_state, batch, lr)
 
-Parameters carry logical axis names (`smelt_jax.sharding.param`); `smelt_jax.sharding` resolves them
+Parameters carry logical axis names (`smelt_jax.parallel.sharding.param`); `smelt_jax.parallel.sharding` resolves them
 to mesh axes. Optimizer moments are placed like their parameters, step counts replicated; batches
 split their rows over ('data', 'fsdp', 'expert') (the `batch` rule of
-`smelt_jax.sharding.LOGICAL_AXIS_RULES`).
+`smelt_jax.parallel.sharding.LOGICAL_AXIS_RULES`).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import numpy as np
 import optax
 from flax import nnx
 
-from smelt_jax import sharding
-from smelt_jax.config import ModelConfig
+from smelt_jax.parallel import sharding
+from smelt_jax.design.config import ModelConfig
 from smelt_jax.train.step import make_eval_step, make_train_step
 
 @jax.tree_util.register_dataclass

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from smelt_jax.config import ModelConfig, Schedule
+from smelt_jax.design.config import ModelConfig, Schedule
 from smelt_jax.model.loss import unembed_cross_entropy
 
 Batch = dict[str, jax.Array]  # tokens, targets, segment_ids, positions int32 [b, s]; loss_mask f32

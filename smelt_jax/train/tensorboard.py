@@ -15,7 +15,7 @@ its file starts with `session_log { status: START }` at the first step it will l
 one of `latest_per_step`.
 
 Local folders get the records appended and flushed within FLUSH_SECONDS. On `gs://` the files go
-through `smelt_jax.storage` (the one Cloud Storage client of the project; tensorboardX's own `gs`
+through `smelt_jax.platform.storage` (the one Cloud Storage client of the project; tensorboardX's own `gs`
 writer is replaced): Cloud Storage has no append, so the writer keeps the file's bytes in memory and
 rewrites the whole object at each flush (event files are small).
 """
@@ -30,7 +30,7 @@ from typing import Any
 from tensorboardX import SummaryWriter, record_writer
 from tensorboardX.summary import hparams as hparams_summaries
 
-from smelt_jax import storage as gcs
+from smelt_jax.platform import storage as gcs
 
 FOLDER = "tensorboard"
 # Keys of a metrics record that are not curves.
@@ -43,7 +43,7 @@ FLUSH_SECONDS = 5
 
 
 class _GcsRecordFile:
-    """tensorboardX's record file interface (write, flush, close) over smelt_jax.storage: the
+    """tensorboardX's record file interface (write, flush, close) over smelt_jax.platform.storage: the
     whole object rewritten at each flush."""
 
     def __init__(self, path: str) -> None:

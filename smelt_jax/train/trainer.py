@@ -12,7 +12,7 @@ Everything it needs to resume is the TrainState: the batch is a pure function of
 so is the learning rate of the step, so an interrupted and resumed run ends with bit-identical
 parameters.
 
-Exits (as exceptions the CLI maps to exit codes, `smelt_jax.exit_codes`): `Preempted` (SIGTERM/SIGINT at
+Exits (as exceptions the CLI maps to exit codes, `smelt_jax.platform.exit_codes`): `Preempted` (SIGTERM/SIGINT at
 any point of `train`, or `stop_after`: saved when a step advanced since the last save, the lock
 released, exit 42, restart me), `NonFiniteLoss` (exit 3: nothing saved past the last good checkpoint).
 The trainer sets no global JAX configuration (the compilation cache is the caller's:
@@ -31,11 +31,13 @@ from typing import Any, Self
 import jax
 import numpy as np
 
-from smelt_jax import budget as budget_lib
-from smelt_jax import run_data, sharding, storage
-from smelt_jax.descriptors import Parallelism, RunSpec
-from smelt_jax.errors import SmeltError, UsageError
-from smelt_jax.rundir import RunDir, run_dir
+from smelt_jax.design import budget as budget_lib
+from smelt_jax.run_files import run_data
+from smelt_jax.parallel import sharding
+from smelt_jax.platform import storage
+from smelt_jax.design.descriptors import Parallelism, RunSpec
+from smelt_jax.platform.errors import SmeltError, UsageError
+from smelt_jax.run_files.rundir import RunDir, run_dir
 from smelt_jax.train import hooks
 from smelt_jax.train import lr as lr_lib
 from smelt_jax.train.checkpoint import Checkpointer, CheckpointError
@@ -200,7 +202,7 @@ class _Phase:
                  options: TrainOptions, parallelism: Parallelism | None, stop: StopSignal,
                  data: dict | None = None) -> None:
         self.run, self.branch, self.root, self.corpus, self.options = run, branch, root, corpus, options
-        self.data = data or {}  # the data's record (smelt_jax.run_data): run.json, checkpoint metadata
+        self.data = data or {}  # the data's record (smelt_jax.run_files.run_data): run.json, checkpoint metadata
         self.parallelism = parallelism if parallelism is not None else run.parallelism
         self.stop, self.lock = stop, None
         self.rd: RunDir = run_dir(run.suite, run.id, root)
@@ -308,14 +310,14 @@ def train(run: RunSpec, branch: int | None = None, *, root: Path | None = None, 
     The data: `corpus`, else the token store at `data_dir`, else the store the run's run.json records,
     else the embedded corpus; a store other than the recorded one raises `run_data.DataChanged`, and
     data of a tokenizer the run does not expect (`RunSpec.check_data`) DataMismatch, both before
-    anything is written. run.json and every checkpoint record the data (`smelt_jax.run_data`). Process 0 then takes the
+    anything is written. run.json and every checkpoint record the data (`smelt_jax.run_files.run_data`). Process 0 then takes the
     phase's lock (`smelt_jax.train.lock`): a second trainer of the same phase raises `LockHeld` naming
     the holder, before any other work. SIGTERM / SIGINT from here to the end raise `Preempted`.
     """
     from smelt_jax.train import lock as lock_lib
 
     lr_lib.phase_steps(run.schedule, branch)  # a bad branch fails before anything is written
-    from smelt_jax.memory_estimate import check_fits
+    from smelt_jax.run_files.memory_estimate import check_fits
     layout = parallelism if parallelism is not None else run.parallelism
     with StopSignal() as stop:
         corpus, data = run_data.data_for_run(run.id, run_dir(run.suite, run.id, root).spec_file, corpus=corpus,
@@ -432,7 +434,7 @@ def _restore(phase: _Phase, ckpt: Checkpointer) -> TrainState:
 def _restore_fork(phase: _Phase, target: TrainState) -> TrainState:
     """The stable checkpoint a branch forks from, opened read-only; one-line errors when it is missing
     or damaged (the stable trainer, not this one, moves a damaged stable step aside)."""
-    from smelt_jax.checkpoint_format import checkpoint_damage
+    from smelt_jax.run_files.checkpoint_format import checkpoint_damage
 
     run, branch, first, folder = phase.run, phase.branch, phase.first, phase.rd.checkpoints(None)
     with Checkpointer(folder, read_only=True) as stable:

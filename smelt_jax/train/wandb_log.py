@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from smelt_jax.errors import UsageError
+from smelt_jax.platform.errors import UsageError
 
 
 def wandb_run_id(run, branch: int | None) -> str:

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import json
 
-from smelt_jax import storage
-from smelt_jax.config import ConfigError, content_hash
-from smelt_jax.descriptors import RunSpec
+from smelt_jax.platform import storage
+from smelt_jax.design.config import ConfigError, content_hash
+from smelt_jax.design.descriptors import RunSpec
 
 _ADDED_BY_TRAINER = ("metadata", "data")  # keys the trainer adds to `RunSpec.to_dict` in run.json
 
@@ -44,7 +44,7 @@ def _diff(prefix: str, mine, theirs) -> list[str]:
 
 
 def _suite_run(run_id: str) -> RunSpec | None:
-    from smelt_jax import suites
+    from smelt_jax.design import suites
     try:
         run = suites.find_run(run_id)
     except (KeyError, suites.NoSuites):

@@ -23,8 +23,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from smelt_jax import storage
-from smelt_jax.errors import UsageError
+from smelt_jax.platform import storage
+from smelt_jax.platform.errors import UsageError
 
 _NOT_RECORDED_SAID: set[str] = set()
 
@@ -81,7 +81,7 @@ def check_checkpoint_data(run_id: str, step: int, metadata: dict, current: dict)
 
 def recorded_data(spec_file) -> tuple[bool, dict | None]:
     """(whether the run's run.json exists, its "data" record or None)."""
-    from smelt_jax.run_spec_file import read_run_record
+    from smelt_jax.run_files.run_spec_file import read_run_record
     if not storage.exists(spec_file):
         return False, None
     record = read_run_record(spec_file, Path(str(spec_file)).parent.name)  # damaged or edited: one line

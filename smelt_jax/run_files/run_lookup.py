@@ -21,14 +21,15 @@ import difflib
 import json
 from pathlib import Path
 
-from smelt_jax import storage, suites
-from smelt_jax.config import ConfigError
-from smelt_jax.descriptors import RunSpec
-from smelt_jax.errors import AmbiguousName, MissingInput, UnknownName, UsageError
-from smelt_jax.path_names import check_run_id
-from smelt_jax.rundir import runs_root
-from smelt_jax.run_spec_file import read_run_spec
-from smelt_jax.suites import NoSuites
+from smelt_jax.platform import storage
+from smelt_jax.design import suites
+from smelt_jax.design.config import ConfigError
+from smelt_jax.design.descriptors import RunSpec
+from smelt_jax.platform.errors import AmbiguousName, MissingInput, UnknownName, UsageError
+from smelt_jax.run_files.path_names import check_run_id
+from smelt_jax.run_files.rundir import runs_root
+from smelt_jax.run_files.run_spec_file import read_run_spec
+from smelt_jax.design.suites import NoSuites
 
 def _saved_files(root, prefix: str = "") -> list:
     """run.json files of run folders `<root>/<suite>/<id>/` whose id starts with `prefix`. On gs:// an
@@ -62,7 +63,7 @@ def _saved_urls(root: str, prefix: str) -> list[str]:
 
 
 def find_run(run_id: str, root=None) -> RunSpec:
-    """The run with this id or unique id prefix: a suite's (`smelt_jax.suites`), else one saved under
+    """The run with this id or unique id prefix: a suite's (`smelt_jax.design.suites`), else one saved under
     the runs root (`root`, default $SMELT_RUNS_DIR or ./runs). UnknownName names the nearest ids."""
     check_run_id(run_id)  # it becomes part of a path (a folder name, a gs:// object name)
     try:
@@ -178,8 +179,8 @@ def load_spec_file(path) -> RunSpec:
 
 def run_to_train(run_id: str | None, config: str | None, overrides: list[str], root=None) -> RunSpec:
     """What `smelt train` trains: the run `run_id` names (find_run) or the one `config` describes, with
-    `overrides` (`smelt_jax.overrides`) applied; exactly one of run_id and config."""
-    from smelt_jax.overrides import apply_overrides
+    `overrides` (`smelt_jax.run_files.overrides`) applied; exactly one of run_id and config."""
+    from smelt_jax.run_files.overrides import apply_overrides
     if (run_id is None) == (config is None):
         raise UsageError("give a run id or --config FILE, not both" if run_id else
                          "give a run id (smelt experiments list) or --config FILE")

@@ -16,11 +16,11 @@
 The runs root is `$SMELT_RUNS_DIR`, else `runs/` in the current directory. It may be a bucket
 (`gs://BUCKET/...`): paths under it are then `etils.epath.Path`s (`storage.as_path`), and the trainer
 writes run.json, metrics.jsonl, TensorBoard files, profiles, endpoint.json and the results table there
-through `smelt_jax.storage` (tensorstore); orbax writes the checkpoints there itself (through
+through `smelt_jax.platform.storage` (tensorstore); orbax writes the checkpoints there itself (through
 etils.epath and gcsfs). Any other URL scheme is refused (`storage.UnsupportedLocation`).
 
 This module holds paths only; what is inside a checkpoint folder (commit markers, checksums, damaged
-and temporary steps) is `smelt_jax.checkpoint_format`.
+and temporary steps) is `smelt_jax.run_files.checkpoint_format`.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ import dataclasses
 import os
 from pathlib import Path
 
-from smelt_jax.path_names import check_inside, check_name, check_run_id
-from smelt_jax.storage import as_path
+from smelt_jax.run_files.path_names import check_inside, check_name, check_run_id
+from smelt_jax.platform.storage import as_path
 
 
 def runs_root() -> Path:
@@ -76,7 +76,7 @@ def run_dir(suite: str, run_id: str, root: Path | None = None) -> RunDir:
 
 
 def results_dir(suite: str, root: Path | None = None) -> Path:
-    """The folder of the suite's results store (`smelt_jax.results`: results.parquet + .csv), and of its
+    """The folder of the suite's results store (`smelt_jax.run_files.results`: results.parquet + .csv), and of its
     runs; `path_names.UnsafeName` unless `suite` is a safe name."""
     base = as_path(root or runs_root())
     return check_inside(base / check_name(suite, "suite"), base, f"folder of suite {suite}")

@@ -1,4 +1,4 @@
-"""Execute the jupytext notebooks: `python -m smelt_jax.notebooks_runner notebooks [--fixture DIR]`.
+"""Execute the jupytext notebooks: `python -m smelt_jax.analysis.notebooks_runner notebooks [--fixture DIR]`.
 
 Each `*.py` (jupytext percent format) in the folder is converted to a notebook and executed with nbclient in
 its own `python3` kernel (the venv's; its kernelspec is installed into the venv on first use, idempotently).
@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from smelt_jax.errors import MissingInput
+from smelt_jax.platform.errors import MissingInput
 
 KERNEL = "python3"
 
@@ -80,7 +80,7 @@ def run_all(folder: Path, *, fixture: Path | None = None, timeout: int = 600, wr
             names: list[str] | None = None) -> list[tuple[str, float, object]]:
     """Execute every notebook of `folder` (or those named); returns (name, seconds, executed notebook)
     per notebook."""
-    from smelt_jax.platform import pin_cpu_without_accelerator
+    from smelt_jax.platform.jax_platform import pin_cpu_without_accelerator
 
     folder = Path(folder)
     sources = sorted(p for p in folder.glob("*.py") if not p.name.startswith("_"))
@@ -111,7 +111,7 @@ def run_all(folder: Path, *, fixture: Path | None = None, timeout: int = 600, wr
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m smelt_jax.notebooks_runner", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m smelt_jax.analysis.notebooks_runner", description=__doc__.split("\n")[0])
     parser.add_argument("folder", type=Path)
     parser.add_argument("--fixture", type=Path, help="fixture folder (see the module docstring)")
     parser.add_argument("--only", nargs="+", metavar="NAME", help="run only these notebooks (file stems)")

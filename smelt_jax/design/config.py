@@ -13,7 +13,7 @@ import json
 import math
 from typing import Any
 
-from smelt_jax.errors import SmeltError
+from smelt_jax.platform.errors import SmeltError
 # The backend names, defined once (jax-free).
 from smelt_jax.kernels.backend import ATTENTION_IMPLS, EXPERT_EXCHANGES, EXPERT_IMPLS
 
@@ -52,7 +52,7 @@ INT_LIMIT = 2**63  # an integer field must fit a signed 64-bit integer (numpy, J
 def value_problem(kind: str, value) -> str | None:
     """What a config value of `kind` ("bool", "int", "float", "str", "int list") must be when `value` is
     not one ("an integer", ...), else None. The one check of config files (`RunSpec.from_dict`) and of
-    `--override` values (`smelt_jax.overrides`)."""
+    `--override` values (`smelt_jax.run_files.overrides`)."""
     if kind == "bool":
         return None if isinstance(value, bool) else "true or false"
     if kind == "int":

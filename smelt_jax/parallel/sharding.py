@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import jax
 from flax import nnx
 
-from smelt_jax.errors import UsageError
+from smelt_jax.platform.errors import UsageError
 
 MESH_AXES = ("data", "fsdp", "expert", "tensor")
 

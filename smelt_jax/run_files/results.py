@@ -14,7 +14,7 @@ files. A reader of a folder it cannot write reads without the lock (a read-only 
 The files get the permissions of any new file (0666 less the umask: group-readable under the usual
 022 umask), not mkstemp's private 0600.
 
-A folder on Cloud Storage (`gs://...`, through `smelt_jax.storage`) has no file lock: an append reads
+A folder on Cloud Storage (`gs://...`, through `smelt_jax.platform.storage`) has no file lock: an append reads
 the table object, replaces the row and writes the parquet and CSV objects whole (each object write is
 atomic, so a reader never sees half a table). Two endpoints appending at the same instant can lose one
 row (the later write wins); every endpoint also writes its row to its `endpoint.json`, from which
@@ -37,7 +37,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from smelt_jax.errors import SmeltError, UsageError
+from smelt_jax.platform.errors import SmeltError, UsageError
 
 TABLE_NAME = "results.parquet"
 CSV_NAME = "results.csv"
@@ -164,7 +164,7 @@ def _new_file_mode() -> int:
 
 def _replace_atomically(path: Path, write) -> None:
     """Write through `write(temp_path)` into a temporary sibling, fsync it, then rename it over `path`."""
-    from smelt_jax import storage as gcs
+    from smelt_jax.platform import storage as gcs
 
     with gcs.naming(path):
         handle, temp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -187,7 +187,7 @@ def _order_columns(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def _is_gcs(folder) -> bool:
-    from smelt_jax.storage import is_gcs
+    from smelt_jax.platform.storage import is_gcs
     return is_gcs(folder)
 
 
@@ -200,7 +200,7 @@ def _folder(folder) -> Path | str:
 def _read_gcs_table(folder: str) -> pd.DataFrame:
     import io
 
-    from smelt_jax import storage as gcs
+    from smelt_jax.platform import storage as gcs
     try:
         data = gcs.read_bytes(f"{folder}/{TABLE_NAME}")
     except FileNotFoundError:
@@ -211,7 +211,7 @@ def _read_gcs_table(folder: str) -> pd.DataFrame:
 def _write_gcs_table(folder: str, table: pd.DataFrame, parquet: bool = True) -> None:
     import io
 
-    from smelt_jax import storage as gcs
+    from smelt_jax.platform import storage as gcs
     if parquet:
         buffer = io.BytesIO()
         table.to_parquet(buffer, index=False)
@@ -234,7 +234,7 @@ def _set_aside(folder, err: ResultsDamaged, warn: bool = True):
     import warnings
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     if _is_gcs(folder):
-        from smelt_jax import storage as gcs
+        from smelt_jax.platform import storage as gcs
         aside = f"{folder}/{TABLE_NAME}.damaged-{stamp}"
         gcs.write_bytes(aside, gcs.read_bytes(f"{folder}/{TABLE_NAME}"))
         gcs.delete(f"{folder}/{TABLE_NAME}")
@@ -306,7 +306,7 @@ def rewrite_csv(folder: str | os.PathLike) -> bool:
     """Rewrite results.csv from results.parquet (the source of truth); False if there is no table."""
     folder = _folder(folder)
     if _is_gcs(folder):
-        from smelt_jax import storage as gcs
+        from smelt_jax.platform import storage as gcs
         if not gcs.exists(f"{folder}/{TABLE_NAME}"):
             return False
         _write_gcs_table(folder, _read_gcs_table(folder), parquet=False)

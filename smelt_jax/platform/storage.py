@@ -26,7 +26,7 @@ import re
 import tempfile
 from pathlib import Path
 
-from smelt_jax.errors import MissingInput, UsageError
+from smelt_jax.platform.errors import MissingInput, UsageError
 
 GCS_PREFIX = "gs://"
 _WILDCARDS = "*?["

@@ -2,7 +2,7 @@
 
 A suite, scale, sparsity label, arch or variant name (`RunSpec`, from a suite, a `--config` file or an
 `--override`), a run id or id prefix, and a `--suite` name become folder names under the runs root
-(`smelt_jax.rundir`); `--out` targets are the user's own files. Each goes through here, so a config file
+(`smelt_jax.run_files.rundir`); `--out` targets are the user's own files. Each goes through here, so a config file
 cannot name a folder outside the runs root, and a bad name is one line (`UnsafeName`, exit 2) before
 anything is written:
 
@@ -20,7 +20,7 @@ import os
 import posixpath
 import re
 
-from smelt_jax.config import ConfigError
+from smelt_jax.design.config import ConfigError
 
 NAME_MAX = 40  # a run id joins five names and a hash: 5 * 40 + 8 + 5 dashes stays under 255 bytes
 RUN_ID_MAX = 5 * NAME_MAX + 8 + 5

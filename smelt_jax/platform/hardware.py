@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from smelt_jax.errors import UsageError
+from smelt_jax.platform.errors import UsageError
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,7 +12,7 @@ and evaluation all read checkpoints through this module.
 A step's `metadata` item (`<step>/metadata/metadata`, read without JAX by `step_metadata`) is a JSON
 dict holding at least `step` and `data_step` (the data position), and from the trainer `run_id`,
 `branch`, `data_digest` and `tokenizer_sha256` (the token store's digest and its tokenizer's sha256:
-`smelt_jax.run_data`; absent in older checkpoints); its `state` item holds the arrays (`params`,
+`smelt_jax.run_files.run_data`; absent in older checkpoints); its `state` item holds the arrays (`params`,
 `opt_state`). Checkpoints written before the trainer kept
 one `TrainState` have this same layout: they restore unchanged.
 
@@ -39,8 +39,8 @@ import re
 import time
 from pathlib import Path
 
-from smelt_jax import storage
-from smelt_jax.errors import SmeltError
+from smelt_jax.platform import storage
+from smelt_jax.platform.errors import SmeltError
 
 CHECKSUM_FILE = "smelt_checksums.json"
 DAMAGED_SUFFIX = ".damaged"

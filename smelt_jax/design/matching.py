@@ -20,9 +20,9 @@ from typing import Any
 
 import numpy as np
 
-from smelt_jax import budget as budget_lib
-from smelt_jax.config import ModelConfig
-from smelt_jax.errors import SmeltError
+from smelt_jax.design import budget as budget_lib
+from smelt_jax.design.config import ModelConfig
+from smelt_jax.platform.errors import SmeltError
 
 
 class MatchError(SmeltError, ValueError):

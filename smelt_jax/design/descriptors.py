@@ -11,10 +11,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from smelt_jax import budget as budget_lib
-from smelt_jax.config import ConfigError, ModelConfig, Schedule, content_hash, value_problem
-from smelt_jax.errors import UsageError
-from smelt_jax.path_names import check_name
+from smelt_jax.design import budget as budget_lib
+from smelt_jax.design.config import ConfigError, ModelConfig, Schedule, content_hash, value_problem
+from smelt_jax.platform.errors import UsageError
+from smelt_jax.run_files.path_names import check_name
 # What a run's data must be tokenized with (`RunSpec.tokenizer`): "" any tokenizer whose ids fit the
 # model's vocabulary; "bytes" the embedded byte-level tokenizer; "hf" a Hugging Face tokenizer.json
 # (e.g. a byte-level BPE from `smelt data tokenizer train`) of exactly `model.vocab` ids.
@@ -114,7 +114,7 @@ class RunSpec:
     tokenizer: str = ""
 
     def __post_init__(self) -> None:
-        # The names that become the run's folder and id (`rundir`): one check (smelt_jax.path_names).
+        # The names that become the run's folder and id (`rundir`): one check (smelt_jax.run_files.path_names).
         for name in PATH_FIELDS:
             check_name(getattr(self, name), f"RunSpec.{name}", empty_ok=name == "variant")
         if self.tokenizer not in TOKENIZER_KINDS:

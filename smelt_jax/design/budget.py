@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from smelt_jax.config import ModelConfig
-from smelt_jax.errors import UsageError
+from smelt_jax.design.config import ModelConfig
+from smelt_jax.platform.errors import UsageError
 
 # Mean keys attended per query in the paper's packed 4096-token contexts (derived: reproduces the
 # paper's worked example F = 1.33e9 / 1.37e9 at 200M, S~95%; see docs/budget.md).

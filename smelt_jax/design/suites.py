@@ -13,16 +13,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
-from smelt_jax.errors import SmeltError
+from smelt_jax.platform.errors import SmeltError
 
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from smelt_jax.descriptors import Parallelism, RunSpec
+    from smelt_jax.design.descriptors import Parallelism, RunSpec
 
 
 class NoSuites(SmeltError, RuntimeError):
-    """No suite source is registered (import `experiments`, or call `smelt_jax.suites.register`)."""
+    """No suite source is registered (import `experiments`, or call `smelt_jax.design.suites.register`)."""
 
 
 class SuiteSource(Protocol):
@@ -44,7 +44,7 @@ def register(source: SuiteSource) -> None:
 def source() -> SuiteSource:
     if _SOURCE is None:
         raise NoSuites("no experiment suites are registered: `import experiments` (the smelt CLI does) "
-                       "or call smelt_jax.suites.register(SOURCE) first")
+                       "or call smelt_jax.design.suites.register(SOURCE) first")
     return _SOURCE
 
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from smelt_jax import budget as budget_lib
-from smelt_jax.config import ConfigError, ModelConfig, Schedule
+from smelt_jax.design import budget as budget_lib
+from smelt_jax.design.config import ConfigError, ModelConfig, Schedule
 
 GIB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}

@@ -10,10 +10,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from smelt_jax import paper
-from smelt_jax.descriptors import RunSpec
-from smelt_jax.errors import UsageError
-from smelt_jax.matching import mismatch
+from smelt_jax.design import paper
+from smelt_jax.design.descriptors import RunSpec
+from smelt_jax.platform.errors import UsageError
+from smelt_jax.design.matching import mismatch
 
 NO_RATIO = ("sparsity S",)  # budgets whose ratio means nothing (S is already a fraction)
 

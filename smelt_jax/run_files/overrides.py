@@ -6,8 +6,8 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from smelt_jax.config import ConfigError, value_problem
-from smelt_jax.descriptors import RunSpec
+from smelt_jax.design.config import ConfigError, value_problem
+from smelt_jax.design.descriptors import RunSpec
 
 MAX_PARAMS = 10**13  # a model beyond ten trillion parameters is a typo, refused before anything starts
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-PACKAGE_DIR = Path(__file__).resolve().parent
+PACKAGE_DIR = Path(__file__).resolve().parents[1]  # smelt_jax/ (this file is smelt_jax/platform/paths.py)
 REFERENCE_DATA = PACKAGE_DIR / "reference_data"
 
 
