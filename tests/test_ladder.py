@@ -79,3 +79,41 @@ def test_paper_break_even_lies_where_its_gap_changes_sign():
         flops = np.sqrt(compute / 3.6)
         gap = predictions.paper_gap(flops, 0.937, flops, 0.937, compute / flops)
         assert np.sign(gap) == sign
+
+
+def _rows(pair, arch, losses, horizons=(4e6, 7e6, 10e6)):
+    return [{"run_id": f"{pair}-{arch}", "branch": i, "pair_id": pair, "arch": arch, "scale": "d",
+             "flops_per_token": 1e6, "tokens": int(h), "val_loss": v} for i, (h, v) in enumerate(zip(horizons, losses))]
+
+
+def test_standing_trend_and_drift_follow_the_registered_rules():
+    rows = (_rows("ladder-d96", "baseline", [1.30, 1.20, 1.10]) + _rows("ladder-d96", "smelt", [1.33, 1.22, 1.12])
+            + _rows("ladder-d128", "baseline", [1.25, 1.15, 1.05]) + _rows("ladder-d128", "smelt", [1.25, 1.16, 1.04])
+            + _rows("ladder-d160", "baseline", [1.20, 1.10, 1.00]) + _rows("ladder-d160", "smelt", [1.18, 1.08, 0.99]))
+    table = pd.DataFrame(rows)
+    verdicts = dict(zip(predictions.standing(table)["width"], predictions.standing(table)["verdict"]))
+    # d96: gaps +0.03/+0.02/+0.02 > delta -> trails; d128: 0/+0.01/-0.01 -> tie; d160: -0.02/-0.02/-0.01 -> wins
+    assert verdicts == {96: "SMELT trails", 128: "tie", 160: "SMELT wins"}
+    _, shrinks = predictions.trend(table)
+    assert shrinks == "supported"  # d160 - d96: -0.05, -0.04, -0.03 at all three
+    nano = pd.DataFrame(_rows("nano-d96-s95", "baseline", [1.30, 1.20, 1.10])
+                        + _rows("nano-d96-s95", "smelt", [1.33, 1.22, 1.12]))
+    drift = predictions.pair_drift(table, nano)
+    assert np.allclose(drift["drift"], 0) and predictions.drift_verdict(drift) == ("not supported", predictions.DELTA)
+    moved = nano.assign(val_loss=nano["val_loss"] - np.where(nano["arch"] == "smelt", 0.02, 0.0))
+    word, delta = predictions.drift_verdict(predictions.pair_drift(table, moved))
+    assert word == "supported" and delta == pytest.approx(predictions.DELTA + 0.02)
+    assert predictions.standing(table.iloc[:0])["verdict"].tolist() == ["pending"] * 3
+
+
+def test_seed_verdicts_use_a_t_interval_over_seeds():
+    def seeds(loop, reshape):
+        return pd.DataFrame({"seed": [0, 1, 2], "loop": loop, "reshape": reshape})
+    out = predictions.seed_verdicts(seeds([0.010, 0.012, 0.011], [0.030, 0.028, 0.032]))
+    assert out["looping"].startswith("costs: supported (small: below delta)")
+    assert out["reshaping"].startswith("costs: supported (mean +0.0300")
+    assert out["the larger term"].startswith("reshaping larger")
+    out = predictions.seed_verdicts(seeds([0.002, -0.003, 0.001], [0.05, -0.04, 0.01]))
+    assert out["looping"].startswith("negligible") and out["reshaping"].startswith("not resolved")
+    mean, low, high = predictions.seed_interval([1.0, 2.0, 3.0])
+    assert (mean, high - mean) == pytest.approx((2.0, 4.303 / np.sqrt(3)))

@@ -152,3 +152,162 @@ def tokens_per_flop_span(table: pd.DataFrame) -> tuple[float, float, float]:
     ratio = table["tokens"] / table["flops"]
     low, high = float(ratio.min()), float(ratio.max())
     return low, math.sqrt(low * high), high
+
+
+# ----------------------------------------------------------------------------- the registered tests
+
+DELTA = 0.015  # nats: the noise floor (docs/results-ladder.md, as nano2)
+LONG = (4e6, 7e6, 10e6)
+LADDER_WIDTHS = (96, 128, 160)
+T_975_DF2 = 4.303  # two-sided 95% t quantile with 2 degrees of freedom (3 seeds)
+PENDING = "pending"
+
+
+def _gap(results: pd.DataFrame, pair_id: str, at: float) -> float:
+    from smelt_jax.scaling.nano2 import endpoint
+    return endpoint(results, pair_id, "smelt", at) - endpoint(results, pair_id, "baseline", at)
+
+
+def _count(values, test, needed: int = 2) -> bool:
+    return int(sum(bool(test(v)) for v in values)) >= needed
+
+
+def pair_drift(ladder: pd.DataFrame, nano: pd.DataFrame) -> pd.DataFrame:
+    """T0: the d96 re-run against nano's d96 pair at 4, 7, 10M: both gaps, their difference, each member's."""
+    from smelt_jax.scaling.nano2 import endpoint
+    rows = []
+    for at in LONG:
+        row = {"tokens": at, "gap_ladder": _gap(ladder, "ladder-d96", at), "gap_nano": _gap(nano, "nano-d96-s95", at)}
+        row["drift"] = row["gap_ladder"] - row["gap_nano"]
+        for arch in ("baseline", "smelt"):
+            row[f"{arch}_drift"] = endpoint(ladder, "ladder-d96", arch, at) - endpoint(nano, "nano-d96-s95", arch, at)
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def drift_verdict(table: pd.DataFrame) -> tuple[str, float]:
+    """("supported" / "not supported" / pending, the delta for comparisons with nano or the forms)."""
+    drift = table["drift"].to_numpy(float)
+    if np.isnan(drift).any():
+        return PENDING, DELTA
+    if _count(drift, lambda v: abs(v) > DELTA):
+        return "supported", DELTA + abs(float(drift.mean()))
+    return "not supported", DELTA
+
+
+def standing(ladder: pd.DataFrame) -> pd.DataFrame:
+    """T1: each ladder pair's gap at 4, 7, 10M and where it stands."""
+    rows = []
+    for width in LADDER_WIDTHS:
+        gaps = [_gap(ladder, f"ladder-d{width}", at) for at in LONG]
+        if np.isnan(gaps).any():
+            verdict = PENDING
+        elif _count(gaps, lambda g: g < -DELTA):
+            verdict = "SMELT wins"
+        elif _count(gaps, lambda g: g > DELTA):
+            verdict = "SMELT trails"
+        elif _count(gaps, lambda g: abs(g) <= DELTA):
+            verdict = "tie"
+        else:
+            verdict = "not resolved"
+        rows.append({"width": width, **{f"gap_{at / 1e6:g}M": g for at, g in zip(LONG, gaps)}, "verdict": verdict})
+    return pd.DataFrame(rows)
+
+
+def forms_check(predictions: pd.DataFrame, ladder: pd.DataFrame) -> pd.DataFrame:
+    """T2: each form's registered interval at d128 and d160 (4M, 10M) against the measured gap."""
+    rows = []
+    for form in FORMS:
+        for width in (128, 160):
+            for at in (4e6, 10e6):
+                label = f"d{width} {at / 1e6:g}M"
+                registered = predictions[(predictions["form"] == form) & (predictions["point"] == label)].iloc[0]
+                measured = _gap(ladder, f"ladder-d{width}", at)
+                rows.append({"form": form, "point": label, "predicted": registered["predicted"],
+                             "low": registered["low"], "high": registered["high"], "measured": measured,
+                             "inside": bool(registered["low"] <= measured <= registered["high"])
+                             if np.isfinite(measured) else None})
+    return pd.DataFrame(rows)
+
+
+def forms_verdicts(table: pd.DataFrame) -> dict[str, str]:
+    out = {}
+    for form in FORMS:
+        rows = table[table["form"] == form]
+        if rows["measured"].isna().any():
+            out[form] = PENDING
+            continue
+        outside = int((~rows["inside"].astype(bool)).sum())
+        mae = float((rows["measured"] - rows["predicted"]).abs().mean())
+        out[form] = f"{'rejected' if outside >= 2 else 'consistent'} ({outside} of 4 outside; mean |error| {mae:.3f})"
+    return out
+
+
+def trend(ladder: pd.DataFrame) -> tuple[pd.DataFrame, str]:
+    """T3: gaps of d96, d128, d160 at 4, 7, 10M, and whether d160's is below d96's by more than delta."""
+    table = pd.DataFrame([{"tokens": at, **{f"d{w}": _gap(ladder, f"ladder-d{w}", at) for w in LADDER_WIDTHS}}
+                          for at in LONG])
+    if table[["d96", "d160"]].isna().any().any():
+        return table, PENDING
+    shrinks = _count(table["d160"] - table["d96"], lambda v: v < -DELTA)
+    return table, "supported" if shrinks else "not supported"
+
+
+def seeds(ladder: pd.DataFrame) -> pd.DataFrame:
+    """T5 inputs: per seed at d96 and 4M, Baseline, SMELT and control losses, Loop and Reshape. Seed 0's
+    Baseline and SMELT are the d96 re-run's 4M branch."""
+    from smelt_jax.scaling.nano2 import endpoint
+    rows = []
+    for seed in (0, 1, 2):
+        pair = f"ladder-d96-seed{seed}"
+        base = endpoint(ladder, "ladder-d96" if seed == 0 else pair, "baseline", 4e6)
+        smelt = endpoint(ladder, "ladder-d96" if seed == 0 else pair, "smelt", 4e6)
+        control = endpoint(ladder, pair, "unrolled", 4e6)
+        rows.append({"seed": seed, "baseline": base, "smelt": smelt, "control": control,
+                     "loop": smelt - control, "reshape": control - base})
+    return pd.DataFrame(rows)
+
+
+def seed_interval(values) -> tuple[float, float, float]:
+    """(mean, low, high): the mean of 3 seeds and its 95% t-interval."""
+    values = np.asarray(values, float)
+    mean = float(values.mean())
+    half = T_975_DF2 * float(values.std(ddof=1)) / math.sqrt(len(values))
+    return mean, mean - half, mean + half
+
+
+def seed_verdicts(table: pd.DataFrame) -> dict[str, str]:
+    """T5: looping and reshaping across seeds, and which is the larger."""
+    if table[["loop", "reshape"]].isna().any().any():
+        return {"looping": PENDING, "reshaping": PENDING, "the larger term": PENDING}
+    out = {}
+    for name, column in (("looping", "loop"), ("reshaping", "reshape")):
+        mean, low, high = seed_interval(table[column])
+        if low > 0:
+            word = "costs: supported" + (" (small: below delta)" if high < DELTA else "")
+        elif high < 0:
+            word = "helps: supported"
+        elif low > -DELTA and high < DELTA:
+            word = "negligible"
+        else:
+            word = "not resolved"
+        out[name] = f"{word} (mean {mean:+.4f}, 95% t-interval [{low:+.4f}, {high:+.4f}], 3 seeds)"
+    mean, low, high = seed_interval(table["reshape"] - table["loop"])
+    word = "reshaping larger" if low > 0 else "looping larger" if high < 0 else "not resolved"
+    out["the larger term"] = f"{word} (Reshape - Loop {mean:+.4f}, [{low:+.4f}, {high:+.4f}])"
+    return out
+
+
+def gqa4(ladder: pd.DataFrame, nano2_results: pd.DataFrame) -> pd.DataFrame:
+    """T6: the gqa4 pairs' gap at 4M beside the multi-head ladder pair of the same width; the d96 gqa4
+    pair at seed 1 beside nano2's seed 0."""
+    rows = []
+    for width in (128, 160):
+        gap, multi = _gap(ladder, f"ladder-d{width}gqa-gqa4", 4e6), _gap(ladder, f"ladder-d{width}", 4e6)
+        verdict = (PENDING if np.isnan([gap, multi]).any() else "closes" if gap < multi - DELTA
+                   else "opens" if gap > multi + DELTA else "not resolved")
+        rows.append({"pair": f"d{width} gqa4", "gap_4M": gap, "multi_head_gap_4M": multi, "verdict": verdict})
+    rows.append({"pair": "d96 gqa4 seed 1", "gap_4M": _gap(ladder, "ladder-d96gqa-gqa4-seed1", 4e6),
+                 "multi_head_gap_4M": _gap(nano2_results, "nano2-d96gqa-gqa4", 4e6),
+                 "verdict": "seed spread (nano2's seed 0 in the second column)"})
+    return pd.DataFrame(rows)

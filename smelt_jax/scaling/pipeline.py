@@ -18,7 +18,19 @@ import pandas as pd
 
 from smelt_jax.design import paper
 from smelt_jax.platform.errors import MissingInput, UsageError
-from smelt_jax.scaling import bootstrap, endpoints, fit, gains, health, io, nano2_report, preregistered, tables, written
+from smelt_jax.scaling import (
+    bootstrap,
+    endpoints,
+    fit,
+    gains,
+    health,
+    io,
+    ladder_report,
+    nano2_report,
+    preregistered,
+    tables,
+    written,
+)
 from smelt_jax.scaling.laws import LAWS, ChinchillaLaw, SmeltLaw
 
 
@@ -278,8 +290,8 @@ def gain_grid(points: pd.DataFrame) -> tuple[list[float], list[float]]:
 DEFAULT_PROTOCOL = {"analysis": "smelt-law", "bootstrap_draws": 200, "seed": 0, "noise_pairs": {},
                     "expected_points": None, "reference_suites": []}
 # "nano2": docs/results-nano2.md's comparisons (scaling/nano2.py), reading the "reference_suites"' results.csv
-# beside the folder.
-ANALYSES = ("smelt-law", "preregistered-fd", "nano2")
+# beside the folder; "ladder": docs/results-ladder.md's (scaling/ladder.py), likewise.
+ANALYSES = ("smelt-law", "preregistered-fd", "nano2", "ladder")
 
 
 def suite_protocol(out_dir) -> dict:
@@ -382,9 +394,10 @@ def _fit_suite_into(folder: Path, out_dir: Path, results: pd.DataFrame, protocol
     """`fit_suite_table`'s steps, written into `folder` (recording `out_dir` as the fits' input)."""
     if protocol["analysis"] == "preregistered-fd":
         return _preregistered_into(folder, results, protocol)
-    if protocol["analysis"] == "nano2":
+    if protocol["analysis"] in ("nano2", "ladder"):
         references = {suite: read_suite_results(out_dir.parent / suite) for suite in protocol["reference_suites"]}
-        return nano2_report.write(folder, results, references)
+        report = nano2_report if protocol["analysis"] == "nano2" else ladder_report
+        return report.write(folder, results, references)
     points = endpoints.fit_points(results)
     points.to_csv(folder / "points.csv", index=False, float_format="%.8g")
     for arch in ("baseline", "smelt"):

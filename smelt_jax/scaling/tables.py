@@ -210,7 +210,8 @@ def _note_missing(ax, missing: list[str]) -> None:
                 transform=ax.transAxes, fontsize=6, color="firebrick", va="bottom")
 
 
-def _save(fig, out_dir, stem) -> list[Path]:
+def save_figure(fig, out_dir, stem) -> list[Path]:
+    """`stem`.png and `stem`.pdf with no date or software metadata (the same bytes on every run)."""
     paths = [Path(out_dir) / f"{stem}.png", Path(out_dir) / f"{stem}.pdf"]
     fig.savefig(paths[0], dpi=100, metadata={"Software": None})
     fig.savefig(paths[1], metadata={"CreationDate": None, "ModDate": None, "Producer": None, "Creator": None})
@@ -322,7 +323,7 @@ def loss_vs_compute_figure(out_dir, laws: dict, points=None, sparsities=None, co
     """`loss_vs_compute_plot` written to OUT_DIR/loss_vs_compute.{png,pdf}."""
     plt = _pyplot()
     fig = loss_vs_compute_plot(laws, points, sparsities, compute, compute_range, problems)
-    paths = _save(fig, out_dir, "loss_vs_compute")
+    paths = save_figure(fig, out_dir, "loss_vs_compute")
     plt.close(fig)
     return paths
 
@@ -372,7 +373,7 @@ def fd_loss_vs_compute_figure(out_dir, laws: dict, points, problems=()) -> list[
     ax.set_ylabel("validation loss (nats)")
     ax.legend(handles=handles, fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     fig.tight_layout()
-    paths = _save(fig, out_dir, "loss_vs_compute")
+    paths = save_figure(fig, out_dir, "loss_vs_compute")
     plt.close(fig)
     return paths
 
@@ -461,6 +462,6 @@ def ce_gain_figure(out_dir, reference, target, sparsities, compute=None, referen
     plt = _pyplot()
     fig = ce_gain_plot(reference, target, sparsities, compute, reference_draws, target_draws, compute_range,
                        problems)
-    paths = _save(fig, out_dir, "ce_gain")
+    paths = save_figure(fig, out_dir, "ce_gain")
     plt.close(fig)
     return paths
