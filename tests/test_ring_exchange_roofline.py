@@ -36,12 +36,14 @@ def test_the_ring_scope_is_what_the_hlo_walk_looks_for():
 
 def test_ring_collectives_count_as_the_exchange_and_exposed_unless_overlapped():
     stats = hlo_stats(RING_HLO)
-    gather = 32 * 8 * 2  # bytes of either all-gather's result
-    scatter = 8 * 4 * 8 * 2  # the reduce-scatter's input: group 8 x its 64-byte result
+    ring = 7 / 8  # a ring over 8 devices sends 7 of the 8 shards
+    gather = 32 * 8 * 2 * ring  # bytes of either all-gather's result, of which the ring sends 7/8
+    scatter = 8 * 4 * 8 * 2 * ring  # the reduce-scatter's input: group 8 x its 64-byte result, 7/8 sent
     assert dict(((k, g), b) for k, g, b in stats.exchange_send_bytes_by_group) == {
         ("all-gather", 8): gather, ("reduce-scatter", 8): scatter}
-    assert ("all-gather", 8, 2 * gather) in stats.send_bytes_by_group  # the FSDP gather too, as ICI
-    assert stats.send_bytes == 2 * gather + scatter
+    fsdp = 32 * 8 * 2  # the FSDP gather, ordinary ICI at its result's bytes
+    assert ("all-gather", 8, fsdp + gather) in stats.send_bytes_by_group
+    assert stats.send_bytes == fsdp + gather + scatter
     # the synchronous ring all-gather is exposed; the async reduce-scatter has a fusion in flight
     assert stats.exchange_exposed_bytes == gather
     back_to_back = RING_HLO.replace("  %h = bf16[32,8]{1,0} fusion(%w), kind=kLoop, calls=%sum\n", "")
@@ -55,8 +57,9 @@ def test_the_report_adds_the_exposed_ring_exchange_after_the_overlapped_terms():
     report = cr.analyse(cr.CompileReport(**base), {"dot_general": 64 * 1e6}, RING_HLO)
     exposed = report.exchange_exposed_seconds
     assert exposed > 0 and report.comm_seconds > exposed
-    gather_share = (32 * 8 * 2) / (32 * 8 * 2 + 8 * 4 * 8 * 2)  # the exposed part of the exchange's bytes
-    exchange_seconds = report.comm_seconds * (32 * 8 * 2 + 8 * 4 * 8 * 2) / (2 * 32 * 8 * 2 + 8 * 4 * 8 * 2)
+    gather, scatter, fsdp = 7 / 8 * 32 * 8 * 2, 7 / 8 * 8 * 4 * 8 * 2, 32 * 8 * 2  # bytes sent (ring: 7/8)
+    gather_share = gather / (gather + scatter)  # the exposed part of the exchange's bytes
+    exchange_seconds = report.comm_seconds * (gather + scatter) / (fsdp + gather + scatter)
     assert exposed == pytest.approx(exchange_seconds * gather_share)
     assert report.step_seconds == pytest.approx(cr.roofline_terms(report)[0])
 
@@ -99,7 +102,7 @@ def test_a_reduce_scatter_emitted_as_a_fusion_counts_as_one_and_the_rings_as_the
     the padded input, twice its bytes), and the ring's when it scatters an array shaped like a ring
     all-gather's result (200M S97 Baseline: 8.2 -> 16.3 GB of exchange, all of it exposed)."""
     stats = hlo_stats(FUSED_HLO)
-    gather, ring_input, grads_shard = 32 * 8 * 2, 8 * 4 * 8 * 2, 6 * 8 * 2
+    gather, ring_input, grads_shard = 7 / 8 * 32 * 8 * 2, 7 / 8 * 8 * 4 * 8 * 2, 6 * 8 * 2  # ring: 7/8 sent
     assert stats.static_counts == {"all-gather": 1, "reduce-scatter": 2}
     assert dict(((k, g), b) for k, g, b in stats.exchange_send_bytes_by_group) == {
         ("all-gather", 8): gather, ("reduce-scatter", 8): ring_input}

@@ -64,21 +64,29 @@ def _short(text: str, width: int) -> str:
     return text if len(text) <= width else text[: width - 3] + "..."
 
 
-def format_breakdown(b: Breakdown) -> str:
-    """Lines: bytes by category (GB, or MB for a small program, and share), the overflow loop's expected
-    and worst case, the top rows."""
+def format_breakdown(b: Breakdown, ideal: dict[str, float] | None = None) -> str:
+    """Lines: bytes by category (GB, or MB for a small program, and share), beside them the ideal step's
+    (`ideal`, `compile.ideal_step`: same categories) when given, the overflow loop's expected and worst
+    case, the top rows."""
     unit, scale = ("GB", 1e9) if b.total >= 10e9 else ("MB", 1e6)
     gb = lambda value: f"{value / scale:,.1f}"
-    lines = [f"  HBM walked by category ({unit} per device per step; total {gb(b.total)}):"]
+    head = f"  HBM walked by category ({unit} per device per step; total {gb(b.total)}"
+    if ideal is not None:
+        head += f"; ideal total {gb(sum(ideal.values()))}, walked / ideal in the last column"
+    lines = [head + "):"]
     for category in CATEGORIES:
         value = b.by_category.get(category, 0.0)
         share = value / b.total if b.total else 0.0
+        cell = ""
+        if ideal is not None:
+            want = ideal.get(category, 0.0)
+            cell = f"  ideal {gb(want):>8}" + (f"  x{value / want:.1f}" if want else "         ")
         note = ""
         if category == OVERFLOW:
             note = (f"  ({b.overflow_passes:g} passes per layer expected, {gb(b.overflow_per_trip)} {unit} a pass; "
                     f"worst case {b.overflow_passes_worst:g} passes: "
                     f"{gb(b.overflow_passes_worst * b.overflow_per_trip)} {unit}, total {gb(b.total_worst)})")
-        lines.append(f"    {category:<34} {gb(value):>10} {100 * share:5.1f}%{note}")
+        lines.append(f"    {category:<34} {gb(value):>10} {100 * share:5.1f}%{cell}{note}")
     lines.append(f"  top {len(b.top)} instructions ({unit} per step = times x bytes per execution):")
     lines.append(f"    {unit:>8} {'times':>7}  {'category':<20} {'instruction':<28} {'op':<14} shape | op_name")
     for row in b.top:

@@ -7,13 +7,17 @@ direction=LT`, the shape JAX's `scan` and `fori_loop` lower to; a loop counter s
 assumed), unless the compiler states it (`known_trip_count` in the loop's backend_config), and fusions,
 calls and async wrappers run as often as their caller. It reports, per device:
 
-- executed collectives by kind, with the bytes of their results (`*-done` for async pairs), and an
-  estimate of the bytes each device sends: result bytes for all-gather / all-to-all / permutes,
-  twice them for all-reduce (ring: reduce-scatter then all-gather), result bytes for reduce-scatter
-  (an underestimate: the input is group-size times larger);
+- executed collectives by kind, with the bytes of their results, and an estimate of the bytes each
+  device sends: result bytes for all-gather / all-to-all / permutes, twice them for all-reduce (ring:
+  reduce-scatter then all-gather), result bytes for reduce-scatter (an underestimate: the input is
+  group-size times larger); the ring exchange's all-gathers and reduce-scatters (n-1)/n of the array
+  gathered or scattered over a group of n (a ring passes n - 1 of its n shards);
+- each collective once, whatever async form XLA gave it (`_counted_source`): a plain one where it is
+  (in a fusion or an async computation too), a `*-start` / `*-done` pair at its done, an async
+  collective fusion (a fusion holding the `*-start`, waited for by a `*-done` outside) at its done,
+  an `async-start` / `async-update` / `async-done` wrapper by the computation it runs, visited once;
 - SparseCore offloads (`call-start` on the "sparsecore" thread): the TPU compiler's `optimal_seconds`
-  carries -1 for each of them (measured: 6 offloads -> -5.9994 s for a program whose own estimate
-  is 0.6 ms; tests/test_compile_tpu.py), which is why that estimate came back negative for every train step;
+  carries -1 for each (tests/test_compile_tpu.py), which made it negative for every train step;
 - the `while` loops with their trip counts (None when the condition has another shape);
 - the bytes sent per replica-group size (the ICI term divides each by the bandwidth of the torus axes
   such a group spans: `hardware.Slice.ici_bytes_per_second_for_group`), and the expert exchange's
@@ -24,8 +28,7 @@ calls and async wrappers run as often as their caller. It reports, per device:
 XLA:TPU emits many reduce-scatters as a fusion around an all-reduce (emitter `AllReduceScatterFusion`,
 no metadata): that all-reduce is counted as the reduce-scatter it implements (its result the fusion's
 shard), and as the ring's (synchronous, so exposed) when it scatters an array shaped like a ring
-all-gather's result. Counted as an all-reduce of the padded input, the 200M S97 Baseline's ring
-reduce-scatters were twice their bytes as ordinary ICI and none of its exchange.
+all-gather's result.
 """
 
 from __future__ import annotations
@@ -56,6 +59,10 @@ EXCHANGE_KINDS = ("all-to-all", "ragged-all-to-all")  # how the MoE layer moves 
 RING_KINDS = ("all-gather", "reduce-scatter")
 RING_MARK = "ring_exchange"
 _KNOWN_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+# The later halves of an async op (`async-update`, `async-done`, `all-gather-done`, ...): they name the
+# computation their start runs (`calls=`) but do not run it again.
+_ASYNC_FOLLOWERS = ("-done", "-update")
+_PASS_THROUGH = ("get-tuple-element", "bitcast")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,7 +174,7 @@ def execution_counts(entry: str, computations: dict[str, list[Instruction]], unk
     def visit(name: str, times: float) -> None:
         runs[name] += times
         for instruction in computations.get(name, ()):
-            if instruction.op.endswith("-done"):  # its start already led to the callee
+            if instruction.op.endswith(_ASYNC_FOLLOWERS):  # its start already led to the callee
                 continue
             callees = _callees(instruction)
             trip = None
@@ -185,9 +192,8 @@ def execution_counts(entry: str, computations: dict[str, list[Instruction]], unk
 
 
 def data_dependent_computations(entry: str, computations: dict[str, list[Instruction]]) -> set[str]:
-    """Computations that run inside a `while` whose trip count the text does not state (neither
-    `known_trip_count` nor a constant bound): a loop whose length depends on the data, such as the MoE
-    exchange's overflow passes. `execution_counts` runs their bodies once per entry to the loop."""
+    """Computations inside a `while` whose trip count the text does not state (no `known_trip_count`, no
+    constant bound): data-dependent loops such as the MoE overflow passes (`execution_counts`: once)."""
     found: set[str] = set()
     seen: set[tuple[str, bool]] = set()
 
@@ -230,31 +236,111 @@ def is_exchange(instruction: Instruction) -> bool:
     return kind in EXCHANGE_KINDS or (kind in RING_KINDS and RING_MARK in instruction.rest)
 
 
-def _exchange_overlap(instructions: list[Instruction], computations: dict[str, list[Instruction]]
-                      ) -> dict[str, bool]:
-    """{name of an exchange instruction (all-to-all kinds): whether the schedule overlaps it}, for one
-    computation in schedule order. A synchronous collective is exposed; an async one (`*-start` /
-    `*-done`, or an `async-start` running one) is overlapped when compute (a fusion, convolution, dot or
-    custom call) is scheduled between its start and its done."""
-    out: dict[str, bool] = {}
-    open_starts: dict[str, int] = {}
-    for index, instruction in enumerate(instructions):
-        op = instruction.op
-        if op in EXCHANGE_KINDS + RING_KINDS:
-            if is_exchange(instruction):
-                out[instruction.name] = False
-        elif op.endswith("-start"):
-            called = dict(_callees(instruction)).get("calls")
-            inner = computations.get(called, ()) if called else ()
-            if is_exchange(instruction) or any(is_exchange(i) for i in inner):
-                open_starts[instruction.name] = index
-        elif op.endswith("-done"):
-            start = next((n for n in re.findall(r"%([\w.\-]+)", instruction.rest.split(")", 1)[0])
-                          if n in open_starts), None)
-            if start is not None:
-                between = instructions[open_starts.pop(start) + 1:index]
-                out[start] = any(i.op in _COMPUTE_OPS for i in between)
+def _first_operand(instruction: Instruction) -> str | None:
+    names = re.findall(r"%([\w.\-]+)", instruction.rest.split(")", 1)[0])
+    return names[0] if names else None
+
+
+def start_of(done: Instruction, by_name: dict[str, Instruction]) -> Instruction | None:
+    """The start of the async op `done` (a `*-done` / `*-update`) ends: its first operand, through
+    get-tuple-element, bitcast and updates: a `*-start`, an `async-start`, or an async collective fusion
+    (XLA:TPU fuses a collective's start with its producers, a `*-done` waits for it); None if elsewhere."""
+    name = _first_operand(done)
+    for _ in range(len(by_name) + 1):
+        found = by_name.get(name) if name else None
+        if found is None or not (found.op in _PASS_THROUGH or found.op.endswith("-update")):
+            return found
+        name = _first_operand(found)
+    return None
+
+
+def inner_collectives(instruction: Instruction, computations: dict[str, list[Instruction]]) -> list[Instruction]:
+    """Collectives (plain, `*-start`, `*-done`) in what `instruction` runs (`calls=`), nested included."""
+    out: list[Instruction] = []
+    seen: set[str] = set()
+
+    def visit(name: str) -> None:
+        if name in seen:
+            return
+        seen.add(name)
+        for inner in computations.get(name, ()):
+            if _kind(inner.op) in COLLECTIVE_KINDS:
+                out.append(inner)
+            called = dict(_callees(inner)).get("calls")
+            if called:
+                visit(called)
+
+    called = dict(_callees(instruction)).get("calls")
+    if called:
+        visit(called)
     return out
+
+
+def _kind(op: str) -> str:  # all-gather-start -> all-gather
+    return op.removesuffix("-start").removesuffix("-done")
+
+
+def _exchange_overlap(instructions: list[Instruction]) -> dict[str, bool]:
+    """{an async op's start (`start_of`): whether the schedule runs compute (a fusion, convolution, dot
+    or custom call) between it and its done}, for one computation in schedule order; a synchronous
+    collective has no entry (exposed)."""
+    by_name = {i.name: i for i in instructions}
+    position = {i.name: n for n, i in enumerate(instructions)}
+    compute_before = [0]  # compute ops among the first n instructions
+    for instruction in instructions:
+        compute_before.append(compute_before[-1] + (instruction.op in _COMPUTE_OPS))
+    out: dict[str, bool] = {}
+    for index, instruction in enumerate(instructions):
+        if not instruction.op.endswith("-done"):
+            continue
+        start = start_of(instruction, by_name)
+        if start is not None and start.name in position:
+            out[start.name] = compute_before[index] - compute_before[position[start.name] + 1] > 0
+    return out
+
+
+def _async_owners(computations: dict[str, list[Instruction]]) -> dict[str, tuple[str, str]]:
+    """{computation an async op runs: (the computation holding its start, the start's name)}: the callee of
+    an `async-start`, and of a fusion whose result a `*-done` waits for (an async collective fusion),
+    nested fusions included. A collective inside is overlapped as its wrapper is."""
+    owners: dict[str, tuple[str, str]] = {}
+    for name, instructions in computations.items():
+        by_name = {i.name: i for i in instructions}
+        starts = {i.name for i in instructions if i.op == "async-start"}
+        starts |= {s.name for i in instructions if i.op.endswith("-done")
+                   for s in [start_of(i, by_name)] if s is not None and s.op == "fusion"}
+        for start in starts:
+            pending = [dict(_callees(by_name[start])).get("calls")]
+            while pending:
+                called = pending.pop()
+                if called and called not in owners:
+                    owners[called] = (name, start)
+                    pending += [dict(_callees(i)).get("calls") for i in computations.get(called, ())
+                                if i.op == "fusion"]
+    return owners
+
+
+def _counted_source(instruction: Instruction, by_name: dict[str, Instruction],
+                    computations: dict[str, list[Instruction]]) -> tuple[Instruction, Instruction] | None:
+    """(what carries the collective's replica groups and metadata, the start of its async window here)
+    when `instruction` is where a collective is counted, else None. Counted once: a plain one where it
+    is; an async pair at its `*-done`, with its start's groups; never at a `*-start`, nor at a `*-done`
+    waiting for a fusion or async computation that holds the plain collective (counted inside)."""
+    op = instruction.op
+    if _kind(op) not in COLLECTIVE_KINDS or op.endswith("-start"):
+        return None
+    if not op.endswith("-done"):
+        return instruction, instruction
+    start = start_of(instruction, by_name)
+    if start is None:
+        return instruction, instruction
+    if start.op.endswith("-start") and _kind(start.op) in COLLECTIVE_KINDS:
+        return start, start
+    inner = inner_collectives(start, computations)
+    if any(not i.op.endswith("-start") for i in inner):
+        return None  # the plain collective inside is counted
+    source = next((i for i in inner if _kind(i.op) == _kind(op)), start)
+    return source, start
 
 
 _SCATTER_FUSION = "AllReduceScatterFusion"  # XLA:TPU's emitter of a reduce-scatter as a fused all-reduce
@@ -292,6 +378,19 @@ def _ring_gathers(computations: dict[str, list[Instruction]]) -> set[tuple[str, 
     return found
 
 
+def _send_factor(kind: str, group: int | None, partitions: int, exchange: bool) -> float:
+    """Bytes a device sends per byte of a collective's result. The ring exchange's all-gather and
+    reduce-scatter send (n-1)/n of the gathered (scattered) array over a group of n: a ring passes
+    n - 1 of its n shards; the reduce-scatter's input is n times its result."""
+    factor = SEND_FACTOR[kind]
+    if exchange and kind in RING_KINDS:
+        n = group or partitions
+        factor *= (n - 1) / n if n > 1 else 0.0
+        if kind == "reduce-scatter":
+            factor *= n
+    return factor
+
+
 def hlo_stats(text: str) -> HloStats:
     """Executed collectives, SparseCore offloads and loop trip counts of a compiled HLO module."""
     entry, computations = parse_module(text)
@@ -306,14 +405,8 @@ def hlo_stats(text: str) -> HloStats:
     exposed = send = 0.0
     sparsecore = 0
     partitions = int((re.search(r"\bnum_partitions=(\d+)", text) or [0, 1])[1])  # a group of "all devices"
-    async_owner = {}  # computation run by an async-start -> (its computation, the start's name)
-    for name, instructions in computations.items():
-        for instruction in instructions:
-            if instruction.op == "async-start":
-                called = dict(_callees(instruction)).get("calls")
-                if called:
-                    async_owner[called] = (name, instruction.name)
-    overlap = {name: _exchange_overlap(instructions, computations) for name, instructions in computations.items()}
+    owners = _async_owners(computations)
+    overlap = {name: _exchange_overlap(instructions) for name, instructions in computations.items()}
     for name, instructions in computations.items():
         times = runs.get(name, 0.0)
         by_name = {i.name: i for i in instructions}
@@ -321,16 +414,14 @@ def hlo_stats(text: str) -> HloStats:
         for instruction in instructions:
             if instruction.op == "call-start" and 'async_execution_thread="sparsecore"' in instruction.rest:
                 sparsecore += 1
-            kind = instruction.op.removesuffix("-done")
-            if instruction.op.endswith("-start") or kind not in COLLECTIVE_KINDS:
+            counted = _counted_source(instruction, by_name, computations)
+            if counted is None:
                 continue
-            source = instruction
-            if instruction.op.endswith("-done"):  # the start carries the replica groups
-                start = re.findall(r"%([\w.\-]+)", instruction.rest.split(")", 1)[0])
-                source = by_name.get(start[0], instruction) if start else instruction
-            result = instruction.shape
+            source, start = counted
+            kind, result = _kind(instruction.op), instruction.shape
             group = group_size(source)
-            exchange = is_exchange(source) or is_exchange(instruction)
+            exchange = is_exchange(source) or is_exchange(instruction) or (
+                start.op == "fusion" and RING_MARK in start.rest and kind in RING_KINDS)
             if fusion is not None and kind == "all-reduce":  # a reduce-scatter emitted as a fusion
                 kind, result = "reduce-scatter", fusion.shape
                 operand = next((i.shape for i in instructions if i.op == "parameter"), "")
@@ -341,16 +432,14 @@ def hlo_stats(text: str) -> HloStats:
             sent = times * shape_bytes(result)
             counts[kind] += times
             result_bytes[kind] += sent
-            factor = SEND_FACTOR[kind]
-            if exchange and kind == "reduce-scatter":  # the ring's: its input, group x the result, is sent
-                factor *= group or partitions
-            by_group[(kind, group)] += factor * sent
-            send += factor * sent
+            bytes_sent = _send_factor(kind, group, partitions, exchange) * sent
+            by_group[(kind, group)] += bytes_sent
+            send += bytes_sent
             if exchange:
-                exchange_by_group[(kind, group)] += factor * sent
-                owner, start_name = async_owner.get(name, (name, source.name))
+                exchange_by_group[(kind, group)] += bytes_sent
+                owner, start_name = owners.get(name, (name, start.name))
                 if fusion is not None or not overlap.get(owner, {}).get(start_name, False):
-                    exposed += factor * sent  # a fusion is synchronous: nothing overlaps it
+                    exposed += bytes_sent  # a fusion is synchronous: nothing overlaps it
     return HloStats(static_counts=dict(sorted(static.items())), collective_counts={k: int(round(v)) for k, v in sorted(counts.items())},
                     collective_bytes=dict(sorted(result_bytes.items())), send_bytes=send,
                     sparsecore_offloads=sparsecore, loop_trip_counts=tuple(trips),

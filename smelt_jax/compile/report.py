@@ -37,7 +37,7 @@ from smelt_jax.design import budget as budget_lib
 from smelt_jax.parallel import sharding
 from smelt_jax.compile import aot, checkpoint_cadence
 from smelt_jax.compile.overflow import step_overflow_passes
-from smelt_jax.compile.breakdown import Breakdown, TopRow, breakdown, format_breakdown
+from smelt_jax.compile.breakdown import Breakdown, TopRow, breakdown
 from smelt_jax.compile.hlo_stats import COLLECTIVE_KINDS, EXCHANGE_KINDS, hlo_stats
 from smelt_jax.compile.program_flops import ProgramFlops, program_flops
 from smelt_jax.design.descriptors import Parallelism, RunSpec
@@ -46,6 +46,7 @@ from smelt_jax.kernels import splash
 from smelt_jax.kernels.backend import choose_attention_backend, choose_expert_backend, choose_expert_exchange
 from smelt_jax.model.expert_exchange import buffer_fill, token_axes
 from smelt_jax.model.ring_exchange import ring_fill
+from smelt_jax.compile.report_text import format_report  # noqa: F401  (re-exported: cr.format_report)
 
 @dataclasses.dataclass(frozen=True)
 class CompileReport:
@@ -103,6 +104,8 @@ class CompileReport:
     overflow_passes: float | None = None  # expected: a mean over measured loads
     overflow_passes_worst: int | None = None
     hbm_top: list[dict] | None = None  # the 25 largest instructions (`breakdown.TopRow` fields)
+    # ICI_ACCOUNTING of the collective figures (0: the ring exchange sent n/n of a group; `upgrade_ici`)
+    ici_accounting: int = 0
 
     def breakdown(self) -> Breakdown | None:
         """The walk's breakdown kept in this report (None before ANALYSIS_VERSION 4)."""
@@ -140,6 +143,10 @@ ANALYSIS_VERSION = 7  # 3: the HBM walk charges in-place updates in multi-output
 # 6: an `AllocateBuffer` custom-call (a scan's stack allocated without a fill) moves nothing
 # 7: a reduce-scatter XLA:TPU emits as a fusion around an all-reduce counts as a reduce-scatter, the
 # ring's (exposed) when it scatters a ring all-gather's shape (hlo_stats._scatter_fusions)
+# The collectives' accounting, versioned apart so the ledger's records (no HLO kept) are recomputed from
+# what they store, not compiled again: `upgrade_ici`. 1: the ring exchange sends (n-1)/n of a group of n
+# (issue 50); async collectives counted once in every form XLA:TPU emits (hlo_stats._counted_source).
+ICI_ACCOUNTING = 1
 
 
 def analyse(report: CompileReport, program_flops_by_kind: dict[str, float] | None, hlo_text: str | None,
@@ -197,19 +204,41 @@ def analyse(report: CompileReport, program_flops_by_kind: dict[str, float] | Non
                       hbm_traffic_bytes=traffic, hbm_seconds=traffic / tpu.hbm_bytes_per_second,
                       hbm_by_category=walked.by_category, hbm_overflow_per_pass=walked.overflow_per_trip,
                       overflow_passes=overflow_passes[0], overflow_passes_worst=overflow_passes[1],
-                      hbm_top=[dataclasses.asdict(row) for row in walked.top],
+                      hbm_top=[dataclasses.asdict(row) for row in walked.top], ici_accounting=ICI_ACCOUNTING,
                       comm_seconds_ragged=None if ragged else
                       ici_seconds(filled=EXCHANGE_KINDS))
-    report = dataclasses.replace(report, **fields, analysis_version=ANALYSIS_VERSION)
+    return _with_roofline(dataclasses.replace(report, **fields, analysis_version=ANALYSIS_VERSION), tpu)
+
+
+def _with_roofline(report: CompileReport, tpu: Slice) -> CompileReport:
+    """`report` with its step (`roofline_terms`), the term that sets it and both MFUs."""
     terms = roofline_terms(report)
-    if terms is not None:
-        step, dominant = terms
-        mfu = report.budget_flops / (step * tpu.peak_flops) if report.budget_flops else None
-        conventional = (report.conventional_flops / (step * tpu.peak_flops)
-                        if report.conventional_flops else None)
-        report = dataclasses.replace(report, step_seconds=step, mfu=mfu, mfu_conventional=conventional,
-                                     dominant_term=dominant)
-    return report
+    if terms is None:
+        return report
+    step, dominant = terms
+    mfu = report.budget_flops / (step * tpu.peak_flops) if report.budget_flops else None
+    conventional = report.conventional_flops / (step * tpu.peak_flops) if report.conventional_flops else None
+    return dataclasses.replace(report, step_seconds=step, mfu=mfu, mfu_conventional=conventional,
+                               dominant_term=dominant)
+
+
+def upgrade_ici(report: CompileReport) -> CompileReport:
+    """A report analysed before ICI_ACCOUNTING 1, its ring exchange charged (n-1)/n of its expert group
+    of n (`hlo_stats._send_factor`), from the fields it stores: the exposed exchange x (n-1)/n; the ICI
+    term and bytes sent less the exposed exchange's 1/n (every ring collective of those programs is
+    synchronous, so exposed: the whole of the ring's share); step and MFUs again. Other reports as
+    they are (their async forms were counted right: none in the ledger's programs)."""
+    exposed = report.exchange_exposed_seconds
+    n = (report.layout or {}).get("expert", 1)
+    if report.ici_accounting >= 1 or report.expert_exchange != "ring" or not exposed or n <= 1:
+        return report
+    tpu = parse_slice(report.slice)
+    fields = {"exchange_exposed_seconds": exposed * (n - 1) / n, "ici_accounting": ICI_ACCOUNTING}
+    if report.comm_seconds is not None:
+        fields["comm_seconds"] = report.comm_seconds - exposed / n
+    if report.send_bytes is not None:
+        fields["send_bytes"] = report.send_bytes - exposed * tpu.ici_bytes_per_second_for_group(n) / n
+    return _with_roofline(dataclasses.replace(report, **fields), tpu)
 
 
 def roofline_terms(report: CompileReport) -> tuple[float, str] | None:
@@ -414,56 +443,3 @@ def _first_line(err: Exception) -> str:
         if "RESOURCE_EXHAUSTED" in line or "exceeds" in line or "HBM" in line:
             return line.strip()[:300]
     return text.splitlines()[0][:300] if text else type(err).__name__
-
-
-def format_report(report: CompileReport, with_breakdown: bool = False) -> str:
-    """Human-readable lines for one compile; with the walk by category and its top instructions."""
-    gib = lambda b: "?" if b is None else f"{b / 2**30:.2f} GiB"
-    lines = [(f"{report.run_id} on {report.slice}, layout {report.layout}, remat {report.remat}, "
-             f"experts {report.expert_impl}, exchange {report.expert_exchange}: compiled in {report.compile_seconds:.1f} s")]
-    if not report.peak_fits_hbm and report.peak_bytes is None:
-        lines.append(f"  OUT OF MEMORY: {report.error}")
-        return "\n".join(lines)
-    lines.append(f"  per device: arguments {gib(report.argument_bytes)}, temporaries "
-                 f"{gib(report.temp_bytes)}, outputs {gib(report.output_bytes)}, peak "
-                 f"{gib(report.peak_bytes)} of {gib(report.hbm_bytes)} HBM"
-                 + ("" if report.peak_fits_hbm else "  (PEAK OVER HBM)"))
-    ratio, program_ratio = report.flops_ratio, report.program_ratio
-    lines.append(f"  per-device FLOPs: budget share {report.budget_flops or 0:.3e}; program (loops unrolled) "
-                 + (f"{report.program_flops:.3e} (x{program_ratio:.2f})" if program_ratio else "?")
-                 + f"; XLA cost analysis {report.compiled_flops or 0:.3e}"
-                 + (f" (x{ratio:.2f}, each loop body once)" if ratio else ""))
-    lines.append(f"  collectives in the HLO: {report.collectives or 'none'}")
-    if report.executed_collectives is not None:
-        lines.append(f"  executed per step: {report.executed_collectives}, "
-                     f"{(report.send_bytes or 0) / 2**30:.2f} GiB sent per device; "
-                     f"{report.sparsecore_offloads} SparseCore offloads")
-    if report.hbm_traffic_bytes is not None:
-        lines.append(f"  HBM traffic walked from the HLO (operands + results of every top-level op, loops x "
-                     f"trip count): {report.hbm_traffic_bytes / 1e9:.1f} GB per device per step"
-                     + ("" if report.overflow_passes is None else
-                        f" (MoE overflow loop at {report.overflow_passes} expected passes, worst case "
-                        f"{report.overflow_passes_worst}: --breakdown)"))
-    if report.step_seconds is not None:
-        exposed = report.exchange_exposed_seconds or 0.0
-        lines.append(f"  roofline step >= {report.step_seconds:.4g} s = max(compute {report.compute_seconds:.4g} s, "
-                     f"HBM {report.hbm_seconds:.4g} s, ICI {report.comm_seconds - exposed:.4g} s) "
-                     f"+ exposed expert exchange {exposed:.4g} s; dominant: {report.dominant_term}")
-        conventional = "?" if report.mfu_conventional is None else f"{100 * report.mfu_conventional:.1f}%"
-        lines.append(f"  roofline MFU <= {100 * (report.mfu or 0):.1f}% (paper budget FLOPs), "
-                     f"roofline MFU <= {conventional} (6N + LM head + causal attention, as MaxText)")
-    if report.comm_seconds_ragged is not None:
-        lines.append(f"  projected ICI with expert_exchange='ragged' (all-to-all bytes x fill "
-                     f"{report.pallas_fill:.3f}): {report.comm_seconds_ragged:.3f} s")
-    if report.checkpoint_bytes is not None:
-        chosen = checkpoint_cadence.cadence(report.suite or "", report.step_seconds)
-        every = ("no interval set for this suite: the trainer's --checkpoint-every" if chosen is None else
-                 f"every {chosen[1]:,} steps = {chosen[0]:g} min at the roofline step")
-        lines.append(f"  checkpoint: {report.checkpoint_bytes / 1e9:.1f} GB per save (parameters + Adam state); "
-                     f"{every}")
-    lines.append(f"  XLA optimal_seconds {report.optimal_seconds} (each loop body once, -1 per SparseCore "
-                 "offload: not a step time)")
-    walked = report.breakdown() if with_breakdown else None
-    if walked is not None:
-        lines.append(format_breakdown(walked))
-    return "\n".join(lines)

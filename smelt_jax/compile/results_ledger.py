@@ -10,7 +10,9 @@ smelt16). It is also the evidence behind layouts.json: every candidate the searc
 walked bytes and roofline step.
 
 A record counts only when it was analysed by the current `report.ANALYSIS_VERSION` (no HLO travels
-with it to re-analyse from); an older one is compiled again.
+with it to re-analyse from), or is a compile the compiler refused for memory (nothing to analyse); an
+older one is compiled again. Fields whose accounting changed apart from the walk (`report.ICI_ACCOUNTING`)
+are recomputed from what the record stores when it is read (`report.upgrade_ici`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from smelt_jax.compile.report import ANALYSIS_VERSION, CompileReport
+from smelt_jax.compile.report import ANALYSIS_VERSION, CompileReport, upgrade_ici
 from smelt_jax.platform.errors import UsageError
 
 LEFT_OUT = ("hbm_top",)  # per-instruction rows: `smelt compile ID --breakdown` prints them
@@ -30,7 +32,8 @@ def report_from_dict(data: dict[str, Any]) -> CompileReport:
     fields = {f.name for f in dataclasses.fields(CompileReport)}
     if "fits" in data and "peak_fits_hbm" not in data:  # cache files written before the rename
         data = {**data, "peak_fits_hbm": data["fits"]}
-    return CompileReport(**{k: v for k, v in data.items() if k in fields})
+    # a record analysed before the collectives' current accounting is recomputed from what it stores
+    return upgrade_ici(CompileReport(**{k: v for k, v in data.items() if k in fields}))
 
 
 @dataclasses.dataclass
@@ -61,7 +64,11 @@ class Ledger:
 
     def get(self, name: str) -> CompileReport | None:
         record = self.records.get(name)
-        if record is None or record["report"].get("analysis_version") != ANALYSIS_VERSION:
+        if record is None:
+            return None
+        report = record["report"]
+        out_of_memory = not report.get("peak_fits_hbm") and report.get("peak_bytes") is None
+        if report.get("analysis_version") != ANALYSIS_VERSION and not out_of_memory:  # nothing to analyse in an OOM
             return None
         return report_from_dict(record["report"])
 

@@ -6,8 +6,12 @@
     classify(kind, op_name) -> one of CATEGORIES
 
 The kind comes from the instruction's opcode and, for a fusion, the opcodes of its fused computation
-(nested fusions included); the scope from its `metadata={op_name="..."}`: JAX writes the name stack,
-e.g. `jit(train_step)/transpose(jvp(moe))/experts/dot_general`, and the model names its parts with
+(nested fusions included: a fusion holding a Mosaic kernel, `custom_call_target="tpu_custom_call"`,
+as XLA:TPU's async collective fusions may, is a kernel (not the compiler's own custom-calls); one
+holding only a collective's `*-start` and data movement, that collective; the synchronous
+`AllReduceScatterFusion` stays as before, in other, so the ledger's walks stay comparable);
+the scope from its `metadata={op_name="..."}`: JAX writes the name stack, e.g.
+`jit(train_step)/transpose(jvp(moe))/experts/dot_general`, and the model names its parts with
 `jax.named_scope` (model/*.py, train/step.py). Rules, first match wins (`classify`):
 
 1. an all-to-all (the MoE layer's token exchange, padded or ragged)   -> expert exchange
@@ -42,11 +46,13 @@ _MOVES = frozenset({"copy", "copy-start", "copy-done", "transpose", "bitcast", "
 _STACK_OPS = frozenset({"dynamic-update-slice", "dynamic-slice"})
 _OP_NAME = re.compile(r'\bop_name="([^"]*)"')
 _CALLS = re.compile(r"\bcalls=%([\w.\-]+)")
+_MOSAIC = 'custom_call_target="tpu_custom_call"'
 
 
 def op_name(instruction: Instruction, computations: dict[str, list[Instruction]] | None = None) -> str:
-    """The instruction's metadata op_name; for a fusion without one, the longest inside it; for a custom
-    call without one, its instruction name (Mosaic kernels are named after the kernel: splash_mha_fwd...)."""
+    """The instruction's metadata op_name; for a fusion without one, the longest inside it (of its custom
+    calls, when it holds any); for a custom call without one, its instruction name (Mosaic kernels are
+    named after the kernel: splash_mha_fwd...)."""
     found = _OP_NAME.search(instruction.rest)
     if found:
         return found.group(1)
@@ -55,8 +61,9 @@ def op_name(instruction: Instruction, computations: dict[str, list[Instruction]]
     if instruction.op != "fusion" or not computations:
         return ""
     called = _CALLS.search(instruction.rest)
-    inner = [op_name(i) for i in computations.get(called.group(1), ())] if called else []
-    return max(inner, key=len, default="")
+    fused = computations.get(called.group(1), []) if called else []
+    kernels = [i for i in fused if _is_kernel(i)]  # a kernel fused into an async block names it
+    return max((op_name(i) for i in kernels or fused), key=len, default="")
 
 
 def _fused_ops(name: str, computations: dict[str, list[Instruction]], seen: set[str]) -> set[str]:
@@ -70,6 +77,22 @@ def _fused_ops(name: str, computations: dict[str, list[Instruction]], seen: set[
         if called:
             ops |= _fused_ops(called.group(1), computations, seen)
     return ops - {"fusion"}
+
+
+def _is_kernel(instruction: Instruction) -> bool:
+    """A Mosaic (Pallas) kernel; not the compiler's own custom-calls (AllocateBuffer, AssumeGather...)."""
+    return instruction.op == "custom-call" and _MOSAIC in instruction.rest
+
+
+def _holds_kernel(name: str, computations: dict[str, list[Instruction]], seen: set[str]) -> bool:
+    if name in seen:
+        return False
+    seen.add(name)
+    for inner in computations.get(name, ()):
+        called = _CALLS.search(inner.rest) if inner.op == "fusion" else None
+        if _is_kernel(inner) or (called and _holds_kernel(called.group(1), computations, seen)):
+            return True
+    return False
 
 
 def _base(op: str) -> str:
@@ -99,6 +122,11 @@ def kind_of(instruction: Instruction, computations: dict[str, list[Instruction]]
         only_slices = bool(ops & _STACK_OPS) and ops - _MOVES <= _STACK_OPS
         if (updates or only_slices) and not ops & {"dot", "convolution"}:
             return "stack"
+        if called and _holds_kernel(called.group(1), computations, set()):  # fused into an async block
+            return "kernel"
+        started = {_base(o) for o in ops if o.endswith("-start")} & set(COLLECTIVE_KINDS)
+        if started and ops - _MOVES <= {o for o in ops if _base(o) in COLLECTIVE_KINDS}:  # async collective fusion
+            return "exchange" if started & set(EXCHANGE_KINDS) else "collective"
     if ops & {"dot", "convolution"}:
         return "matmul"
     if ops & {"gather", "scatter", "sort"}:
