@@ -10,6 +10,7 @@ from smelt_jax.compile import layout_search as ls
 from smelt_jax.compile import pair_cost
 from smelt_jax.design import paper
 from smelt_jax.compile import report as cr
+from smelt_jax.design.budget import train_flops_per_token
 from smelt_jax.platform.paths import checkout_root
 
 SMELT16 = experiments.load_suite("smelt16")
@@ -60,12 +61,12 @@ def test_the_quickstart_table_is_the_formula_of_its_own_steps():
     doc = QUICKSTART.read_text()
     assert doc.count(pair_cost.BEGIN) == 1 and doc.count(pair_cost.END) == 1
     section = doc.split(pair_cost.BEGIN)[1].split(pair_cost.END)[0]
-    rows = re.findall(r"^\| (\S+ S\d+) \| \S+ \((\d+)\) \| ([\d.]+) / ([\d.]+) \| ([\d,]+) \|$", section, re.M)
+    rows = re.findall(r"^\| (\S+ S\d+) \| \S+ \((\d+)\) \| ([\d.]+) / ([\d.]+) \| ([\d,]+) \| [\d,]+ \|$", section, re.M)
     assert len(rows) == 16, section
     for name, chips, b, s, hours in rows:
         per_step = 253_297 * int(chips) / 3600
         assert abs(float(hours.replace(",", "")) - (float(b) + float(s)) * per_step) <= 0.01 * per_step + 1, name
-    total = re.search(r"\| \*\*all\*\* \| \| \| \*\*([\d,]+)\*\* \|", section)
+    total = re.search(r"\| \*\*all\*\* \| \| \| \*\*([\d,]+)\*\* \| \*\*[\d,]+\*\* \|", section)
     assert total, section
     assert abs(int(total.group(1).replace(",", "")) - sum(int(h.replace(",", "")) for *_, h in rows)) <= 16
 
@@ -88,3 +89,30 @@ def test_price_per_budget_flop_and_the_paper_savings_priced_in_chip_hours():
     assert "| 100M S95 |" in table and "| 1.30 |" in table
     assert "| 1e+20 | 0.95 | 7.8% [3, 15] | 1.30 [1.30, 1.30] | -19.9% [-19.9%, -19.9%] |" in table
     assert "| 1e+20 | 0.85 |" not in table  # no S85 pair priced: no row
+
+
+MESH = {"data": 1, "fsdp": 8, "expert": 8, "tensor": 1}
+
+
+def test_the_pair_at_its_physical_limit_uses_each_members_ideal_step():
+    """The cost table's last column: both members at their per-op limit (compile/ideal_step.py) on
+    their slice and mesh; the price table's ratio at the limit: floor and per-op limit per budget FLOP."""
+    from smelt_jax.compile.ideal_step import for_run
+
+    b, s = _pair("100m", "s95")
+    results = [_result(b, 0.12), _result(s, 0.14)]
+    for result in results:
+        result.report.layout.update(MESH)
+    ideal_b, ideal_s = for_run(b, "v5p-128", MESH), for_run(s, "v5p-128", MESH)
+    limit = (ideal_b.per_op_seconds + ideal_s.per_op_seconds) * 253_297 * 64 / 3600
+    assert pair_cost.limit_chip_hours(b, results[0]) == pytest.approx(ideal_b.per_op_seconds * 253_297 * 64 / 3600)
+    table = pair_cost.cost_table([b, s], results)
+    hours = (0.12 + 0.14) * 253_297 * 64 / 3600
+    assert f"| 100M S95 | v5p-128 (64) | 0.12 / 0.14 | {hours:,.0f} | {limit:,.0f} |" in table
+    row = pair_cost.step_ratios([b, s], results)[0]
+    flops = lambda run: train_flops_per_token(run.model)
+    assert row["limit_ratio"] == pytest.approx(ideal_s.per_op_seconds / flops(s) / (ideal_b.per_op_seconds / flops(b)))
+    assert row["floor_ratio"] == pytest.approx(ideal_s.floor_seconds / flops(s) / (ideal_b.floor_seconds / flops(b)))
+    # each member against its limit: walked step, per-op limit and their quotient
+    members = pair_cost.limit_table([b, s], results)
+    assert f"| {1e3 * ideal_s.per_op_seconds:,.0f} | 140 | {ideal_s.per_op_seconds / 0.14:.0%} |" in members

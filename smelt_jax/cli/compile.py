@@ -13,6 +13,7 @@ import json
 def cmd_compile(args) -> int:
     import experiments
     from smelt_jax.compile import aot
+    from smelt_jax.compile.ideal_step import for_run
     from smelt_jax.compile.report import compile_run, format_report
     from smelt_jax.parallel.layout import parse_layout
 
@@ -26,7 +27,12 @@ def cmd_compile(args) -> int:
     if args.exchange:  # an explicit --exchange wins over the one recorded with the layout
         layout = dataclasses.replace(layout, exchange=args.exchange)
     report = compile_run(run, args.topology, layout, remat=args.remat, hlo_path=args.hlo_out)
-    print(json.dumps(report.as_dict(), indent=1) if args.json else format_report(report, args.breakdown))
+    ideal = for_run(run, args.topology, report.layout)  # the physical limit of this configuration and mesh
+    if args.json:
+        print(json.dumps({**report.as_dict(), "ideal": {**ideal.summary(), "by_category": ideal.by_category}},
+                         indent=1))
+    else:
+        print(format_report(report, args.breakdown, ideal))
     return 0 if report.peak_fits_hbm else 1
 
 
@@ -45,7 +51,8 @@ def register(subparsers) -> None:
     p.add_argument("--hlo-out", metavar="FILE",
                    help="write the compiled per-device HLO text here, gzip-compressed (e.g. step.hlo.gz)")
     p.add_argument("--breakdown", action="store_true",
-                   help="also print the walked HBM bytes by category and the 25 largest instructions")
+                   help="also print the walked HBM bytes by category beside the ideal step's (compile/ideal_step.py) "
+                        "and the 25 largest instructions")
     p.add_argument("--json", action="store_true", help="the report as one JSON object")
     p.set_defaults(handler=cmd_compile)
     register_report(subparsers)
