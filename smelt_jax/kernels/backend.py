@@ -1,6 +1,7 @@
 """The one place that decides which backends run: `choose_expert_backend` (the expert FFN),
 `choose_expert_exchange` (how expert parallelism moves tokens), `choose_attention_backend` and
-`choose_unembedding_form` (the loss's matmul form) and `choose_layer_loop` (how a stack of layers is iterated).
+`choose_unembedding_form` (the loss's matmul form), `choose_loss_impl` (fused kernel or chunked scan) and
+`choose_layer_loop` (how a stack of layers is iterated).
 
 Every caller asks this function: `ModelConfig` validates `expert_impl` against `EXPERT_IMPLS`, the MoE
 layer and `expert_ffn` resolve through it, and the ahead-of-time compile report asks it for a TPU
@@ -40,6 +41,8 @@ Rules:
   makes a transposed copy (145 vs 76 ms at the issue-17 shapes), while on TPU the 2-D form raised the
   temporaries of smelt16 (20.6 -> 24.2 GiB on v5p-128). The platform is the traced mesh's when it names
   one (an ahead-of-time TPU compile traces on the CPU under a TPU mesh).
+- The loss itself (`choose_loss_impl`) is the fused Pallas linear cross-entropy (kernels/fused_ce.py) on
+  TPU, run per device in a shard_map, and the chunked scan above elsewhere (CPU speed unchanged).
 - A stack of layers (and the loop's visits) runs as a `lax.scan` on TPU and GPU (one compiled body for
   any depth) and as a Python loop (`unrolled`) on CPU: there the scan's stacked per-layer residuals are
   zero-filled and written with dynamic-update-slices and its weights read with dynamic slices, 16% of the
@@ -63,6 +66,8 @@ SPLASH_SEQ_MULTIPLE = 128  # splash needs rows in whole blocks of a multiple of 
 CAUSAL_BLOCK = 64  # query rows per block of the CPU's `blocked` attention
 UNEMBEDDING_FORMS = ("einsum", "matmul")
 AUTO_UNEMBEDDING_FORM = {"tpu": "einsum", "gpu": "einsum", "cpu": "matmul"}
+LOSS_IMPLS = ("auto", "chunked", "fused")  # valid `unembed_cross_entropy(impl=...)` values
+AUTO_LOSS_IMPL = {"tpu": "fused", "gpu": "chunked", "cpu": "chunked"}
 LAYER_LOOPS = ("auto", "scan", "unrolled")  # valid `Decoder.layer_loop` values
 AUTO_LAYER_LOOP = {"tpu": "scan", "gpu": "scan", "cpu": "unrolled"}
 EXPERT_AXIS = "expert"  # the mesh axis experts are sharded over (smelt_jax.parallel.sharding.MESH_AXES)
@@ -143,6 +148,18 @@ def choose_unembedding_form(platform: str | None = None, mesh=None) -> str:
     default backend.
     """
     return AUTO_UNEMBEDDING_FORM.get(_traced_platform(platform, mesh), AUTO_UNEMBEDDING_FORM["cpu"])
+
+
+def choose_loss_impl(requested: str = "auto", platform: str | None = None, mesh=None) -> str:
+    """'fused' or 'chunked' for `requested` (a name in LOSS_IMPLS): how `model.loss.unembed_cross_entropy`
+    runs. `auto` is 'fused' (the Pallas kernels of kernels/fused_ce.py, whose f32 logits never reach HBM)
+    on TPU and 'chunked' (the sequence-chunked XLA scan) elsewhere: on CPU the kernel would run
+    interpreted. The platform is found as in `choose_unembedding_form`."""
+    if requested not in LOSS_IMPLS:
+        raise ValueError(f"loss impl {requested!r} not in {LOSS_IMPLS}")
+    if requested != "auto":
+        return requested
+    return AUTO_LOSS_IMPL.get(_traced_platform(platform, mesh), AUTO_LOSS_IMPL["cpu"])
 
 
 def choose_layer_loop(requested: str = "auto", platform: str | None = None, mesh=None) -> str:
