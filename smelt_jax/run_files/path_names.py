@@ -107,13 +107,15 @@ def check_arguments(arguments: dict) -> None:
     """Every path-bearing argument of a parsed `smelt` command line (ARGUMENT_CHECKS) checked; UnsafeName
     (one line, exit 2) for the first bad one, before the command runs."""
     for name, kind in ARGUMENT_CHECKS.items():
-        value = arguments.get(name)
-        if value is None or not isinstance(value, str):
-            continue
+        given = arguments.get(name)
+        values = given if isinstance(given, (list, tuple)) else [given]  # nargs="+": each one checked
         flag = name if name in ("id", "target", "store", "fit_dir") else "--" + name.replace("_", "-")
-        if kind == "name":
-            check_name(value, flag)
-        elif kind == "run id":
-            check_run_id(value, flag)
-        else:
-            check_out_path(value, flag)
+        for value in values:
+            if value is None or not isinstance(value, str):
+                continue
+            if kind == "name":
+                check_name(value, flag)
+            elif kind == "run id":
+                check_run_id(value, flag)
+            else:
+                check_out_path(value, flag)

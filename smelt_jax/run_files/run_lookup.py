@@ -18,7 +18,6 @@ it starts (`_saved_files`).
 from __future__ import annotations
 
 import difflib
-import json
 from pathlib import Path
 
 from smelt_jax.platform import storage
@@ -133,28 +132,9 @@ def grid_ids(suite: str) -> set[str]:
 
 
 def _parse_spec_text(text: str, path: str) -> object:
-    if path.endswith(".json"):
-        try:
-            return json.loads(text)
-        except ValueError as err:
-            raise ConfigError(f"{path}: not valid JSON ({' '.join(str(err).split())})") from None
-    import yaml  # YAML is a superset of JSON: any other name is read as YAML
-
-    class _Loader(yaml.SafeLoader):
-        """safe_load, refusing a key given twice in one mapping (YAML would keep the last silently)."""
-
-    def mapping(loader, node, deep=False):
-        keys = [loader.construct_object(key, deep=deep) for key, _ in node.value]
-        twice = sorted({str(k) for k in keys if keys.count(k) > 1})
-        if twice:
-            raise ConfigError(f"{path}: key {', '.join(twice)} given twice (line {node.start_mark.line + 1})")
-        return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
-
-    _Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
-    try:
-        return yaml.load(text, Loader=_Loader)  # noqa: S506 — a SafeLoader subclass
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{path}: not valid YAML ({' '.join(str(err).split())[:200]})") from None
+    """A config file's value (`config_text`: one set of rules for JSON and YAML)."""
+    from smelt_jax.run_files.config_text import parse_config_text
+    return parse_config_text(text, path)
 
 
 def load_spec_file(path) -> RunSpec:
