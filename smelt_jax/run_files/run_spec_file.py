@@ -18,6 +18,7 @@ import json
 from smelt_jax.platform import storage
 from smelt_jax.design.config import ConfigError, content_hash
 from smelt_jax.design.descriptors import RunSpec
+from smelt_jax.run_files.config_text import parse_json
 
 _ADDED_BY_TRAINER = ("metadata", "data")  # keys the trainer adds to `RunSpec.to_dict` in run.json
 
@@ -74,7 +75,7 @@ def read_run_record(path, folder_id: str | None = None) -> dict:
     and its own recorded id; RunSpecDamaged (one line) otherwise, FileNotFoundError when absent."""
     which = _which(path, folder_id)
     try:
-        record = json.loads(storage.read_text(path))
+        record = parse_json(storage.read_text(path), "run.json")  # a key twice, nesting depth: config_text
     except (ValueError, UnicodeDecodeError) as err:
         raise RunSpecDamaged(f"{which} is damaged ({' '.join(str(err).split())[:120]}): not a complete JSON "
                              f"file ({path}); its checkpoints are left as they are") from None
