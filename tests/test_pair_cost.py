@@ -1,6 +1,7 @@
 """Pair costs in chip-hours from the compile report (smelt_jax/compile/pair_cost.py) and the generated
 table of docs/tpu-quickstart.md."""
 
+import dataclasses
 import re
 
 import pytest
@@ -116,3 +117,24 @@ def test_the_pair_at_its_physical_limit_uses_each_members_ideal_step():
     # each member against its limit: walked step, per-op limit and their quotient
     members = pair_cost.limit_table([b, s], results)
     assert f"| {1e3 * ideal_s.per_op_seconds:,.0f} | 140 | {ideal_s.per_op_seconds / 0.14:.0%} |" in members
+
+
+def test_a_pair_is_held_above_its_limit_by_what_smelt_walks_beyond_the_baselines_excess():
+    """held_by: per category, SMELT's walked GB above its ideal less the Baseline's (per budget FLOP);
+    an excess both members share cancels, the rest is named, largest first."""
+    from smelt_jax.compile.ideal_step import for_run
+
+    b, s = _pair("100m", "s95")
+    ideal_b, ideal_s = for_run(b, "v5p-128", MESH), for_run(s, "v5p-128", MESH)
+    extra = [{"other": 2e9}, {"other": 2e9, "copies": 10e9, "residual stacks": 1e9}]
+    results = []
+    for run, step, ideal, more in zip((b, s), (0.12, 0.14), (ideal_b, ideal_s), extra):
+        result = _result(run, step)
+        walked = {c: v + more.get(c, 0.0) for c, v in ideal.by_category.items()}
+        # equal budgets per device: the two excesses compare 1:1
+        report = dataclasses.replace(result.report, layout=MESH, hbm_by_category=walked, budget_flops=1.0)
+        results.append(dataclasses.replace(result, report=report))
+    row = pair_cost.step_ratios([b, s], results)[0]
+    assert row["held_by"] == pytest.approx({"copies": 10e9, "residual stacks": 1e9})
+    table = pair_cost.price_table([b, s], results, paper.CE_GAIN)
+    assert "| copies +10, stacks +1 |" in table

@@ -125,17 +125,40 @@ def step_ratios(runs: Sequence[RunSpec], results: Sequence) -> list[dict]:
         ideal = ideal_of(run, result)
         at_limit = None if ideal is None else (_per_pflop(run, result, ideal.floor_seconds),
                                                _per_pflop(run, result, ideal.per_op_seconds))
-        members.setdefault(run.pair_id, {})[run.arch] = (chip_seconds_per_pflop(run, result), at_limit)
+        members.setdefault(run.pair_id, {})[run.arch] = (chip_seconds_per_pflop(run, result), at_limit,
+                                                         run, result, ideal)
         if run.arch == "baseline":
             labels[run.pair_id] = run
     rows = []
     for pair, prices in members.items():
-        (base, base_limit), (smelt, smelt_limit) = prices.get("baseline", (None, None)), prices.get("smelt", (None, None))
+        base, base_limit, *b = prices.get("baseline", (None,) * 5)
+        smelt, smelt_limit, *s = prices.get("smelt", (None,) * 5)
         if pair in labels and base and smelt:
             rows.append({"pair": _pair_label(labels[pair]), "sparsity_label": labels[pair].sparsity_label,
                          "baseline": base, "smelt": smelt, "ratio": smelt / base,
-                         "floor_ratio": smelt_limit[0] / base_limit[0], "limit_ratio": smelt_limit[1] / base_limit[1]})
+                         "floor_ratio": smelt_limit[0] / base_limit[0], "limit_ratio": smelt_limit[1] / base_limit[1],
+                         "held_by": held_by(b, s)})
     return rows
+
+
+def held_by(baseline: Sequence, smelt: Sequence, n: int = 3) -> dict[str, float]:
+    """The `n` categories that hold a pair's walked price ratio above its ratio at the limit: per category,
+    SMELT's walked GB above its ideal less the Baseline's, scaled to SMELT's budget FLOPs per device (an
+    excess the Baseline shares per FLOP does not move the ratio); the largest positive, in GB per device
+    per step. `baseline`, `smelt`: (run, result, ideal)."""
+    (_, b_res, b_ideal), (_, s_res, s_ideal) = baseline, smelt
+    if b_ideal is None or s_ideal is None or not b_res.report.hbm_by_category or not s_res.report.hbm_by_category:
+        return {}
+    scale = s_res.report.budget_flops / b_res.report.budget_flops if b_res.report.budget_flops else 1.0
+    over = {c: (s_res.report.hbm_by_category.get(c, 0.0) - s_ideal.by_category[c])
+            - scale * (b_res.report.hbm_by_category.get(c, 0.0) - b_ideal.by_category[c]) for c in CATEGORIES}
+    return dict(sorted(((c, v) for c, v in over.items() if v > 0), key=lambda kv: -kv[1])[:n])
+
+
+def _held_cell(held: dict[str, float]) -> str:
+    from smelt_jax.compile.breakdown import SHORT
+
+    return ", ".join(f"{SHORT[c].replace(' (worst)', '')} +{v / 1e9:,.0f}" for c, v in held.items()) or "-"
 
 
 def chip_hour_saving(flop_saving: float, ratio: float) -> float:
@@ -152,11 +175,14 @@ def price_table(runs: Sequence[RunSpec], results: Sequence, flop_savings: dict) 
     compiled programs' roofline steps, not measurements."""
     rows = step_ratios(runs, results)
     lines = ["What a budget FLOP costs (roofline step x chips / budget FLOPs of the step; an estimate from "
-             "compiled programs, not a measurement):", "",
+             "compiled programs, not a measurement). "
+             "**At the physical limit**: the same price at each member's floor / per-op limit (compile/ideal_step.py). "
+             "**Held above the limit by**: the categories where SMELT walks more above its ideal than the "
+             "Baseline does per budget FLOP (GB per device per step, `held_by`).", "",
              "| pair | Baseline chip-s / PFLOP | SMELT chip-s / PFLOP | SMELT / Baseline | at the physical limit: "
-             "floor / per-op |", "|---|---:|---:|---:|---:|"]
+             "floor / per-op | held above the limit by (GB) |", "|---|---:|---:|---:|---:|---|"]
     lines += [f"| {r['pair']} | {r['baseline']:.2f} | {r['smelt']:.2f} | {r['ratio']:.2f} | "
-              f"{r['floor_ratio']:.2f} / {r['limit_ratio']:.2f} |" for r in rows]
+              f"{r['floor_ratio']:.2f} / {r['limit_ratio']:.2f} | {_held_cell(r['held_by'])} |" for r in rows]
     by_label: dict[str, list[float]] = {}
     for r in rows:
         by_label.setdefault(r["sparsity_label"], []).append(r["ratio"])
