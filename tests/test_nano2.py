@@ -154,3 +154,22 @@ def test_rate_verdicts_wait_for_both_rates():
     assert found["the rule's rate was too high for baseline"] == "supported"
     assert found["the rule's rate was too high for smelt"] == "not supported"
     assert found["the rates favoured"] == "SMELT"  # best-of-two gap 0.05 against nano's 0.02
+
+
+def test_corrections_of_2026_12_06_helps_order_run_sign_test_and_within_nano2_delta():
+    """Issue 51 item 5: *helps* only after *costs: not supported*; the sign test over runs beside the one
+    over points; comparisons of nano2 runs alone use 0.015 even when the drift widens delta."""
+    from smelt_jax.scaling import nano2 as analysis
+    long = [4e6, 7e6, 10e6]
+    table = pd.DataFrame({"width": ["d64"] * 3 + ["d96"] * 3, "tokens": long * 2,
+                          "loop": [0.04, 0.05, 0.03, 0.005, 0.004, 0.006],
+                          "reshape": [0.001, 0.002, 0.003, 0.004, 0.005, 0.006]})
+    found = analysis.decomposition_verdicts(table, 0.0274)
+    assert found["loop"]["costs"] == "not resolved"
+    assert found["loop"]["helps"] == "not defined (costs: not resolved)"
+    assert found["reshape"]["costs"] == "not supported" and found["reshape"]["helps"] == "not supported"
+    assert (found["loop"]["run_positive"], found["loop"]["runs"], found["loop"]["run_sign_p"]) == (2, 2, 0.5)
+    geometry = pd.DataFrame({"variant": ["gqa2", "gqa4"], "tokens": [4e6, 4e6], "gap": [0.058, 0.035]})
+    verdicts = analysis.geometry_verdicts(geometry, 0.0274)
+    assert verdicts["finer routing helps SMELT"] == "supported"  # 0.023 apart: above 0.015, under 0.0274
+    assert verdicts["geometry explains the d96 gap"] == "not supported"

@@ -98,12 +98,20 @@ def decomposition(nano2: pd.DataFrame, nano: pd.DataFrame) -> pd.DataFrame:
 
 
 def decomposition_verdicts(table: pd.DataFrame, delta: float) -> dict:
+    """A's verdicts. *helps* is defined only once *costs* is "not supported" (the registration's order;
+    correction of 2026-12-06). Besides the registered sign test over all 12 points, the test over the
+    independent units: one run per width and term, the sign of its mean over the long horizons (the
+    horizons of one run are branches of one trajectory)."""
     long = table[table["tokens"].isin(LONG)]
     out = {}
     for term in ("loop", "reshape"):
         positive, decided, p = sign_p(table[term])
-        out[term] = {"costs": count_rule(long[term], delta, 5), "helps": helps_rule(long[term], delta, 5),
-                     "positive": positive, "decided": decided, "sign_p": p}
+        costs = count_rule(long[term], delta, 5)
+        helps = (helps_rule(long[term], delta, 5) if costs in ("not supported", PENDING)
+                 else f"not defined (costs: {costs})")
+        run_positive, runs, run_p = sign_p(long.groupby("width")[term].mean())
+        out[term] = {"costs": costs, "helps": helps, "positive": positive, "decided": decided, "sign_p": p,
+                     "run_positive": run_positive, "runs": runs, "run_sign_p": run_p}
     return out
 
 
@@ -120,18 +128,20 @@ def geometry(nano2: pd.DataFrame) -> pd.DataFrame:
 
 
 def geometry_verdicts(table: pd.DataFrame, delta: float) -> dict:
+    """B's verdicts: `delta` (widened by the drift) where nano's d96 gap is compared; DELTA where only
+    nano2 runs are (SMELT ahead, finer routing), as registered (correction of 2026-12-06)."""
     at4 = table[table["tokens"] == 4e6].set_index("variant")["gap"]
     gqa2, gqa4 = float(at4["gqa2"]), float(at4["gqa4"])
     if math.isnan(gqa2):
         explains = ahead = PENDING
     else:
         explains = "supported" if gqa2 < NANO_D96_GAP[4e6] - delta else "not supported"
-        ahead = "supported" if gqa2 < -delta else "not supported"
+        ahead = "supported" if gqa2 < -DELTA else "not supported"
     if math.isnan(gqa2) or math.isnan(gqa4):
         finer = PENDING
-    elif gqa4 < gqa2 - delta:
+    elif gqa4 < gqa2 - DELTA:
         finer = "supported"
-    elif gqa4 > gqa2 + delta:
+    elif gqa4 > gqa2 + DELTA:
         finer = "not supported"
     else:
         finer = "not resolved"

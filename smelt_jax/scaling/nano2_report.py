@@ -43,7 +43,10 @@ def _decomposition_lines(found: dict) -> dict:
         name = "looping (SMELT - control)" if term == "loop" else "reshaping (control - Baseline)"
         out[f"{name} costs"] = v["costs"]
         out[f"{name} helps"] = v["helps"]
-        out[f"{name}: sign test"] = f"{v['positive']} of {v['decided']} positive, p = {v['sign_p']:.3g}"
+        out[f"{name}: sign test"] = (f"{v['positive']} of {v['decided']} points positive, p = {v['sign_p']:.3g} "
+                                     f"(the points are branches of {v['runs']} runs, so this overstates the "
+                                     f"evidence); over the runs: {v['run_positive']} of {v['runs']} positive, "
+                                     f"p = {v['run_sign_p']:.3g}")
     return out
 
 
@@ -59,10 +62,13 @@ def _readme(results: pd.DataFrame, verdicts: dict, drift: float, delta: float, t
         lines += [f"## {group}", ""] + [f"- {name}: **{value}**" for name, value in found.items()] + [""]
     if len(transfer):
         agree = int(transfer["signs_agree"].sum())
+        positive = int((transfer["predicted"] > 0).sum())
         lines += ["## The paper's law, transferred", "",
                   f"Predicted and measured signs agree at {agree} of {len(transfer)} matched endpoints "
                   f"(`transfer.md`); the points lie {transfer['decades_below'].min():.1f}-"
                   f"{transfer['decades_below'].max():.1f} decades of compute below the paper's smallest fit. "
-                  "No verdict (docs/results-nano2.md).", ""]
+                  f"The count carries no information about the law: {positive} of {len(transfer)} of its "
+                  "predictions here are positive, so it only counts the endpoints where SMELT measured "
+                  "behind. No verdict (docs/results-nano2.md).", ""]
     lines += ["Tables: `decomposition.md` (A), `geometry.md` (B), `ablations.md` (C), `rates.md`, `transfer.md`.", ""]
     return "\n".join(lines)
