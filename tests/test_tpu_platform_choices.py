@@ -1,7 +1,8 @@
 """The platform choices of kernels/backend.py in a TPU program: an ahead-of-time compile for v5p on this CPU
-must take the TPU's unembedding form (`einsum`) and layer loop (`scan`), not this machine's (`matmul`,
-`unrolled`): the program the platform decisions give is the one of the explicit TPU forms, and differs from
-the CPU forms' (so each comparison can fail)."""
+must take the TPU's loss (the `fused` Pallas kernel) and layer loop (`scan`), not this machine's (`chunked`,
+`unrolled`): the program the platform decisions give is the one of the explicit TPU choices, and differs
+from the CPU choices' (so each comparison can fail). The chunked loss's unembedding form (`einsum` on TPU,
+`matmul` on CPU) changes its program too."""
 
 import gzip
 import re
@@ -30,14 +31,15 @@ def test_tpu_train_step_keeps_the_einsum_form_and_the_scan(tmp_path, monkeypatch
         pytest.skip(reason)
     import experiments
     run = next(r for r in experiments.load_suite("smoke") if r.arch == "baseline")
-    forms = {"chosen": None, "tpu": ("einsum", "scan"), "matmul": ("matmul", "scan"),
-             "unrolled": ("einsum", "unrolled")}
+    forms = {"chosen": None, "tpu": ("fused", "einsum", "scan"), "chunked": ("chunked", "einsum", "scan"),
+             "matmul": ("chunked", "matmul", "scan"), "unrolled": ("fused", "einsum", "unrolled")}
     hlo = {}
     for name, chosen in forms.items():
         if chosen is not None:
-            form, loop = chosen
+            impl, form, loop = chosen
+            monkeypatch.setattr(loss, "choose_loss_impl", lambda requested, impl=impl, **_: impl)
             monkeypatch.setattr(loss, "choose_unembedding_form", lambda form=form, **_: form)
             monkeypatch.setattr(decoder, "choose_layer_loop", lambda requested, loop=loop, **_: loop)
         hlo[name] = _hlo(run, tmp_path, name)
     assert hlo["chosen"] == hlo["tpu"]
-    assert hlo["matmul"] != hlo["tpu"] and hlo["unrolled"] != hlo["tpu"]
+    assert hlo["chunked"] != hlo["tpu"] and hlo["unrolled"] != hlo["tpu"] and hlo["matmul"] != hlo["chunked"]
