@@ -144,7 +144,8 @@ def test_every_suite_lists_as_before(capsys):
     suite was appended (issue 42), every earlier row unchanged, and its two seed-1 ablation runs once chosen;
     issue 41's compile report chose the ring exchange for every smelt16 row (`parallelism.exchange`) and
     moved 12 rows' `parallelism.remat`, no id; the `ladder` suite was appended (issue 51), every earlier row
-    unchanged."""
+    unchanged; issue 50's report (the ring charged (n-1)/n of its group) moved the 200M S85 Baseline from
+    remat none to dots, no id."""
     assert cli_main(["experiments", "list", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     golden = json.loads(GOLDEN_LIST.read_text())
