@@ -59,18 +59,21 @@ IMAGE_REPOSITORY = "smelt"
 DEFAULT_IMAGE = f"REGION-docker.pkg.dev/PROJECT/{IMAGE_REPOSITORY}/{IMAGE_NAME}:TAG"
 # Upper-case words that mark a value as not filled in (real project ids, buckets, zones, clusters and
 # Artifact Registry paths are lower case).
-PLACEHOLDER_WORDS = ("PROJECT", "PROJECT_NUMBER", "REGION", "ZONE", "BUCKET", "CLUSTER", "TAG")
+# NAME and PATH are the metavars the docs print (`--queue NAME`, `--reservation NAME`, `gs://BUCKET/PATH`).
+PLACEHOLDER_WORDS = ("PROJECT", "PROJECT_NUMBER", "REGION", "ZONE", "BUCKET", "CLUSTER", "TAG", "NAME", "PATH")
 _PLACEHOLDER = re.compile(r"(?<![A-Za-z0-9_])(" + "|".join(PLACEHOLDER_WORDS) + r")(?![A-Za-z0-9_])")
 
 
 def is_placeholder(value: str) -> bool:
     """True when `value` still holds one of PLACEHOLDER_WORDS (e.g. `gs://BUCKET/smelt`)."""
-    return bool(_PLACEHOLDER.search(value))
+    return bool(_PLACEHOLDER.search(str(value)))
 
 
 # Settings that may stay empty but, when given, must not hold a placeholder: every --submit checks them
-# (with its backend's required fields) through `CloudSettings.placeholders`, the one check.
-OPTIONAL_CHECKED = ("data_dir", "reservation", "queue")
+# (with its backend's required fields) through `CloudSettings.placeholders`, the one check. `root` is
+# `--runs-dir` (the quick start prints `--runs-dir gs://BUCKET/smelt/runs`).
+OPTIONAL_CHECKED = ("data_dir", "reservation", "queue", "root")
+FLAGS = {"root": "--runs-dir"}  # a setting whose flag is not its name with dashes
 
 
 # How a slice is paid for: spot (preemptible, cheapest; the jobs retry), on-demand, or reserved (a
@@ -131,7 +134,7 @@ class CloudSettings:
         defaults = CloudSettings()
         required = [f for f in fields if getattr(self, f) == getattr(defaults, f) or is_placeholder(getattr(self, f))]
         given = [f for f in OPTIONAL_CHECKED if f not in fields and getattr(self, f) and is_placeholder(getattr(self, f))]
-        return [f"--{f.replace('_', '-')}" for f in required + given]
+        return [FLAGS.get(f, f"--{f.replace('_', '-')}") for f in required + given]
 
     def submit_problem(self, fields: tuple[str, ...] = ("image", "bucket", "project", "zone")) -> str | None:
         """Why these settings cannot be submitted (one line), or None."""
@@ -180,7 +183,7 @@ def data_problem(graph: JobGraph, settings: CloudSettings) -> str | None:
 def write_plan(planned: list[PlannedJob], out_dir: Path, header: str) -> Path:
     """Writes each job's files and one `submit.sh` with every command, in graph order."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    lines = ["#!/usr/bin/env bash", f"# {header}", "set -euo pipefail", ""]
+    lines = ["#!/usr/bin/env bash", f"# {comment(header)}", "set -euo pipefail", ""]
     for job in planned:
         for relative, text in job.files:
             path = out_dir / relative
@@ -251,4 +254,17 @@ def print_commands(planned: list[PlannedJob], script: Path) -> None:
 
 
 def quote(args: list[str]) -> str:
+    """A shell command line of `args`, each one word whatever it holds (spaces, `;`, `$(...)`, quotes,
+    backticks, newlines): every value pasted into a generated script goes through here (or `word`)."""
     return shlex.join(args)
+
+
+def word(value: object) -> str:
+    """One shell word holding `value` unchanged (`quote` of one argument)."""
+    return shlex.quote(str(value))
+
+
+def comment(text: str) -> str:
+    """`text` fit for a `# ...` line of a generated script: a line break in a value cannot end the
+    comment and start a command."""
+    return text.replace("\\", "\\\\").replace("\n", "\\n").replace("\r", "\\r")

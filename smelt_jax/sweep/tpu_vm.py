@@ -33,10 +33,12 @@ from smelt_jax.sweep.base import (
     PlannedJob,
     check_submittable,
     cloud_status,
+    comment,
     execute_ready,
     print_commands,
     quote,
     trainer_command,
+    word,
     write_plan,
 )
 from smelt_jax.sweep.graph import Job, JobGraph, JobStatus
@@ -50,8 +52,13 @@ DESCRIBE_TRIES = 5  # describe failures other than NOT_FOUND before a slice's st
 DESCRIBE_RETRY_SECONDS = 10
 
 
+def where_flags(settings: CloudSettings) -> str:
+    """`--project=P --zone=Z`, each one shell word whatever the values hold."""
+    return quote([f"--project={settings.project}", f"--zone={settings.zone}"])
+
+
 def slice_state_function(where: str) -> str:
-    """Bash `slice_state NAME`: prints the queued resource's state, MISSING only when gcloud says
+    """Bash `slice_state NAME` (`where`: shell words, `where_flags`): prints the queued resource's state, MISSING only when gcloud says
     NOT_FOUND, UNKNOWN (with a line on stderr) when describe fails otherwise DESCRIBE_TRIES times."""
     return f"""slice_state() {{  # MISSING only on NOT_FOUND; UNKNOWN when describe keeps failing otherwise
   local out err tries=0
@@ -100,8 +107,10 @@ def capacity_flags(settings: CloudSettings) -> tuple[list[str], list[str]]:
 
 def job_script(graph: JobGraph, job: Job, settings: CloudSettings) -> str:
     tpu = tpu_slice(tpu_type_for(job.run))
-    where = f"--project={settings.project} --zone={settings.zone}"
+    where = where_flags(settings)
     track, capacity = capacity_flags(settings)
+    by_hand = quote(["gcloud", "compute", "tpus", "queued-resources", "delete", job.name,
+                     f"--project={settings.project}", f"--zone={settings.zone}", "--force"])
     create = quote(["gcloud", *track, "compute", "tpus", "queued-resources", "create", job.name,
                     f"--node-id={job.name}", f"--project={settings.project}",
                     f"--zone={settings.zone}", f"--accelerator-type={tpu.name}",
@@ -111,11 +120,11 @@ def job_script(graph: JobGraph, job: Job, settings: CloudSettings) -> str:
                  f"--command={worker_command(job, settings)}"])
     return f"""#!/usr/bin/env bash
 # {job.name}: {job.run.id} {job.phase} on {tpu.name} ({tpu.hosts} hosts, {settings.capacity}); retries on preemption.
-# Checkpoints and results: {settings.runs_dir}
+# Checkpoints and results: {comment(settings.runs_dir)}
 # The slice is deleted on every exit (the EXIT trap below), also on a failure or a kill.
 set -uo pipefail
-QR={job.name}
-MAX_RESTARTS={settings.max_restarts}
+QR={word(job.name)}
+MAX_RESTARTS={word(settings.max_restarts)}
 POLL_SECONDS=${{SMELT_POLL_SECONDS:-{POLL_SECONDS}}}
 child=
 
@@ -139,7 +148,7 @@ cleanup() {{  # EXIT trap: stop the ssh, delete the slice if it is still there, 
   if [ "$(state)" != MISSING ]; then  # UNKNOWN too: never assume a slice is gone
     echo "$QR: deleting the slice (exit $rc)" >&2
     delete_slice || echo "$QR: could not delete the slice; it may still be up and billed; delete it by" \\
-      "hand: gcloud compute tpus queued-resources delete $QR {where} --force" >&2
+      "hand:" {word(by_hand)} >&2
   fi
   exit "$rc"
 }}
@@ -207,9 +216,11 @@ class TpuVmBackend:
         planned = []
         for job in graph.jobs:
             script = f"jobs/{job.name}.sh"
-            launch = (f"mkdir -p {self._out('logs')} && nohup bash {self._out(script)} "
-                      f"> {self._out('logs', job.name + '.log')} 2>&1 & "
-                      f"echo $! > {self._out('logs', job.name + '.pid')}")
+            # the braces: `&` backgrounds the script alone (not the whole `mkdir && ...` list), so
+            # the pid file is written after the folder exists and holds the script's own pid
+            launch = (f"mkdir -p {word(self._out('logs'))} && {{ nohup bash {word(self._out(script))} "
+                      f"> {word(self._out('logs', job.name + '.log'))} 2>&1 & "
+                      f"echo $! > {word(self._out('logs', job.name + '.pid'))}; }}")
             planned.append(PlannedJob(job.name, (launch,),
                                       ((script, job_script(graph, job, self.settings)),)))
         return planned
@@ -237,14 +248,14 @@ class TpuVmBackend:
         s = self.settings
         where = [f"--project={s.project}", f"--zone={s.zone}"]
         commands = [
-            f"pid=\"$(cat {self._out('logs', job.name + '.pid')} 2>/dev/null)\"; "
+            f"pid=\"$(cat {word(self._out('logs', job.name + '.pid'))} 2>/dev/null)\"; "
             "if [ -n \"$pid\" ] && kill \"$pid\" 2>/dev/null; then "
             "while kill -0 \"$pid\" 2>/dev/null; do sleep 1; done; fi; "
-            + slice_state_function(" ".join(where)) + "\n"
-            + f"case \"$(slice_state {job.name})\" in MISSING) ;; "
+            + slice_state_function(quote(where)) + "\n"
+            + f"case \"$(slice_state {word(job.name)})\" in MISSING) ;; "
             + "*) " + quote(["gcloud", "compute", "tpus", "queued-resources", "delete", job.name, *where,
                              "--force", "--quiet"])
-            + f" || {{ echo '{job.name}: could not delete the slice; it may still be up and billed' >&2; exit 1; }} ;; "
+            + f" || {{ echo {word(job.name + ': could not delete the slice; it may still be up and billed')} >&2; exit 1; }} ;; "
             + "esac"
             for job in graph.select(names)]
         if execute:

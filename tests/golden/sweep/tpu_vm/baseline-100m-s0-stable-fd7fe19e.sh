@@ -45,7 +45,7 @@ cleanup() {  # EXIT trap: stop the ssh, delete the slice if it is still there, k
   if [ "$(state)" != MISSING ]; then  # UNKNOWN too: never assume a slice is gone
     echo "$QR: deleting the slice (exit $rc)" >&2
     delete_slice || echo "$QR: could not delete the slice; it may still be up and billed; delete it by" \
-      "hand: gcloud compute tpus queued-resources delete $QR --project=smelt-proj --zone=us-east5-a --force" >&2
+      "hand:" 'gcloud compute tpus queued-resources delete baseline-100m-s0-stable-fd7fe19e --project=smelt-proj --zone=us-east5-a --force' >&2
   fi
   exit "$rc"
 }
