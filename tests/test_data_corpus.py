@@ -181,7 +181,10 @@ def test_build_is_idempotent_and_detects_corruption(tmp_path):
         verify_corpus(first.folder)
     with pytest.raises(CorpusError, match="tokens: digest mismatch"):
         build_corpus(tmp_path / "corpus", config, progress=False)
-    TokenStore(first.folder)  # a cheap open (sizes only) still works
+    # The corpus records its token chunks (count, bytes, CRC-32, issue 53): a plain open refuses the
+    # rewritten chunk, at open when its size changed, else at its first read.
+    with pytest.raises(StoreError, match="truncated or rewritten chunks|has CRC-32"):
+        TokenStore(first.folder).tokens.read(0, 16)
     # --force rebuilds to the identical corpus.
     forced = build_corpus(tmp_path / "corpus", config, force=True, progress=False)
     assert forced.built and forced.manifest["arrays"] == first.manifest["arrays"]

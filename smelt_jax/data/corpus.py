@@ -241,7 +241,7 @@ def _write_store(folder: Path, config: BuildConfig, documents: list[tuple[str, s
     store = tsd.create_array(folder, "tokens", tokens.dtype, [tokens.size], layout="chunks")
     store.write(tokens).result()
     arrays = {"tokens": {"dtype": tokens.dtype.str, "shape": [int(tokens.size)],
-                         "sha256": tsd.array_digest(tokens)}}
+                         "sha256": tsd.array_digest(tokens), "chunks": tsd.chunk_record(folder)}}
     duplicates = {k: sources_meta[name].pop("duplicates_dropped") for k, name in enumerate(names)}
     index, sources = tsd.write_index(folder, lengths, codes, val, names, duplicates)
     for k, entry in enumerate(sources):

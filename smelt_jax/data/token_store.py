@@ -24,8 +24,9 @@ tokenizer, many processes) and `smelt data build` (smelt_jax/data/corpus.py: the
 corpus). Both write the index arrays and the manifest through `write_index` and `commit_manifest`.
 
 `check_store` runs at every open: the manifest's digest, every token chunk present (one listing) and
-their count and bytes as prepare recorded them; a chunk that is missing or does not decode at read
-time is a StoreError, never zeros. `TokenStore` opens a store read-only and is the one reader of
+their count and bytes as the writer recorded them; a chunk that is missing, does not decode, fails its
+CRC-32 (checked as first read) or holds ids outside the vocabulary is a StoreError, never zeros
+(`store_checks`). `TokenStore` opens a store read-only and is the one reader of
 training data: `sources`, `tokenizer` (with `pad_id`), `digest`, and `split(source, split)` ->
 `SplitArrays(tokens, offsets)` where `tokens` is a view that reads only the positions it is indexed
 with (tensorstore reads of the covering ranges, batched), so each host reads only its own rows.
@@ -40,6 +41,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from smelt_jax.data import store_checks as checks
 from smelt_jax.platform import storage as gcs
 from smelt_jax.platform.errors import SmeltError, UnknownName
 
@@ -316,45 +318,18 @@ def verify_store(root) -> dict:
 
 # Cheap checks before training (every open) ----------------------------------------------------------
 CHUNK_PREFIX = "c/"  # zarr3 default chunk key encoding of a 1-D array: c/<chunk index>
+token_chunks = checks.token_chunks
 
 
-def token_chunks(root) -> dict:
-    """The token array's stored chunk objects: {"grid": chunks its shape needs, "objects": {index: bytes
-    | None}} from one listing (bytes from the local folder; None on gs://, whose listing here carries
-    no sizes). `sharded` stores list their shard objects (2**22 tokens each)."""
-    url = array_url(root, "tokens")
-    try:
-        meta = json.loads(gcs.read_text(gcs.join(url, "zarr.json")))
-    except FileNotFoundError as err:
-        raise StoreError(f"token store at {root}: the token array is missing ({url}/zarr.json)") from err
-    except ValueError as err:
-        raise StoreError(f"token store at {root}: {url}/zarr.json is damaged: {err}") from None
-    size, chunk = int(meta["shape"][0]), int(meta["chunk_grid"]["configuration"]["chunk_shape"][0])
-    objects: dict[int, int | None] = {}
-    if gcs.is_gcs(url):
-        prefix = gcs.join(url, CHUNK_PREFIX)
-        for name in gcs.list_files(prefix):
-            key = name[len(prefix.rstrip("/")) + 1:]
-            if key.isdigit():
-                objects[int(key)] = None
-    else:
-        import os
-
-        folder = gcs.join(url, CHUNK_PREFIX)
-        if os.path.isdir(folder):
-            with os.scandir(folder) as entries:
-                for entry in entries:
-                    if entry.name.isdigit():
-                        objects[int(entry.name)] = entry.stat().st_size
-    return {"grid": -(-size // chunk), "objects": objects}
-
-
-def chunk_record(root, listed: dict | None = None) -> dict:
-    """What `smelt data prepare` records of the written token chunks (manifest arrays.tokens.chunks):
-    their count and, for a local store, their total size in bytes (`listed`: a `token_chunks` result)."""
-    listed = (listed or token_chunks(root))["objects"]
-    sizes = list(listed.values())
-    return {"objects": len(listed), "bytes": None if None in sizes else int(sum(sizes))}
+def chunk_record(root, listed: dict | None = None, checksums: bool = True) -> dict:
+    """What the writers record of the written token chunks (manifest arrays.tokens.chunks): their count,
+    for a local store their total bytes, and each one's CRC-32 (`store_checks`; `listed`: a
+    `token_chunks` result)."""
+    sizes = list((listed or token_chunks(root))["objects"].values())
+    record = {"objects": len(sizes), "bytes": None if None in sizes else int(sum(sizes))}
+    if checksums:
+        record[checks.CHECKSUM_KEY] = checks.chunk_checksums(array_url(root, "tokens"), len(sizes))
+    return record
 
 
 def _missing_text(missing: list[int]) -> str:
@@ -388,7 +363,7 @@ def check_store(root, manifest: dict | None = None) -> dict:
                          "copy? copy or prepare the store again")
     recorded = manifest["arrays"]["tokens"].get("chunks")
     if recorded:
-        found = chunk_record(root, listed)
+        found = chunk_record(root, listed, checksums=False)
         if found["objects"] != recorded["objects"]:
             raise StoreError(f"token store at {root}: {found['objects']} token chunk objects, the manifest "
                              f"records {recorded['objects']}; copy or prepare the store again")
@@ -414,10 +389,11 @@ def load_store_tokenizer(root, manifest: dict):
 # Reading --------------------------------------------------------------------------------------------
 class TokenArray:
     """The flat token array: `take(positions)` reads just the covering ranges (concurrently); a chunk
-    that is missing or does not decode is a StoreError, never zeros."""
+    that is missing, does not decode, fails its checksum or holds ids outside the vocabulary (`guard`,
+    a `store_checks.ChunkGuard`) is a StoreError, never zeros."""
 
-    def __init__(self, store, root="") -> None:
-        self.store, self.root = store, root
+    def __init__(self, store, root="", guard: checks.ChunkGuard | None = None) -> None:
+        self.store, self.root, self.guard = store, root, guard
         self.size = int(store.shape[0])
         self.dtype = np.dtype(store.dtype.numpy_dtype)
 
@@ -429,6 +405,8 @@ class TokenArray:
         if flat.min() < 0 or flat.max() >= self.size:
             raise IndexError(f"token positions outside 0..{self.size - 1}")
         unique = np.unique(flat)
+        if self.guard:
+            self.guard.verify(unique)
         cut = np.flatnonzero(np.diff(unique) > READ_GAP) + 1
         first = np.concatenate([[0], cut])
         last = np.concatenate([cut, [unique.size]])
@@ -437,10 +415,14 @@ class TokenArray:
         for (a, b), future in zip(zip(first, last), futures):
             chunk = _result(future, self.root, "tokens", f" {unique[a]}..{unique[b - 1]}")
             values[a:b] = chunk[unique[a:b] - unique[a]]
+        if self.guard:
+            self.guard.check_ids(values, unique)
         return values[np.searchsorted(unique, flat)].reshape(positions.shape)
 
     def read(self, start: int, stop: int) -> np.ndarray:
-        return _read(self.store[start:stop], self.root, "tokens", f" {start}..{stop - 1}")
+        if not self.guard:
+            return _read(self.store[start:stop], self.root, "tokens", f" {start}..{stop - 1}")
+        return self.take(np.arange(start, stop, dtype=np.int64))
 
 
 class SplitTokens:
@@ -498,7 +480,9 @@ class TokenStore:
                              f"(vocab {record['vocab_size']}), expected {expect_tokenizer[:16]}; prepare "
                              "it again with the expected tokenizer")
         self.tokenizer = load_store_tokenizer(self.root, self.manifest)
-        self.tokens = TokenArray(open_array(self.root, "tokens", cache_bytes=cache_bytes), self.root)
+        store = open_array(self.root, "tokens", cache_bytes=cache_bytes)
+        self.tokens = TokenArray(store, self.root, checks.guard_for(self.root, store, self.manifest,
+                                                                    self.tokenizer))
         self._strict = every_chunk_stored(self.manifest, "doc_offsets")
         self.doc_offsets = read_array(self.root, "doc_offsets", self._strict).astype(np.int64)
         arrays = self.manifest["arrays"]
