@@ -19,7 +19,7 @@ TEXT_SUFFIXES = (".txt", ".md")
 VAL_TOKENS_WARNING = 100_000
 FIELD_SAMPLE = 100  # records per shard whose fields are listed
 MAX_FIELDS = 12
-# Problem kinds (prepare.PROBLEM_KINDS) in words.
+# Problem kinds (input_shards.PROBLEM_KINDS) in words.
 _KIND_WORDS = {"non_utf8": "not UTF-8", "bad_json": "not a JSON object", "missing_text": "without the text field",
                "missing_source": "without the source field", "bad_field": "with a field of the wrong type",
                "empty": "with an empty text", "failed_shards": "unreadable shards"}

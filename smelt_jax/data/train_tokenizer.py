@@ -11,7 +11,7 @@ from collections import Counter
 from smelt_jax.platform import storage as gcs
 from smelt_jax.data.hf_tokenizer import HFTokenizer, TokenizerError, train_bpe
 from smelt_jax.data.input_checks import no_documents_message
-from smelt_jax.data.prepare import INPUT_SUFFIXES, PrepareConfig, iter_texts
+from smelt_jax.data.input_shards import INPUT_SUFFIXES, PrepareConfig, iter_texts
 
 
 def train_on_inputs(inputs: list[str], vocab_size: int, *, text_field: str = "text",
