@@ -188,12 +188,15 @@ def load_model(target: str, branch: int | None = None, *, root: Path | None = No
     """Restore a trained model: `target` is a run id, a run folder, or a checkpoint folder inside one.
 
     branch None: the stable run (its newest checkpoint); K: decay branch K's newest checkpoint (its
-    endpoint once finished). A checkpoint step folder given as `target` fixes the phase and the step.
+    endpoint once finished). A checkpoint step folder given as `target`, or `step`, fixes the step. A
+    damaged newest checkpoint is refused (`CheckpointDamaged`), never replaced by an older step unasked;
+    a damaged step asked for is refused by the restore (`CheckpointError`, one line).
     """
     import jax
     from flax import nnx
 
     from smelt_jax.design.config import ModelConfig, Schedule
+    from smelt_jax.analysis.eval_step import newest_whole_step
     from smelt_jax.run_files.rundir import RunDir
     from smelt_jax.run_files.run_spec_file import read_run_record
     from smelt_jax.train.checkpoint import Checkpointer, abstract_like
@@ -204,6 +207,8 @@ def load_model(target: str, branch: int | None = None, *, root: Path | None = No
     if path_branch is not None and branch is not None and path_branch != branch:
         raise UsageError(f"{target} is branch {path_branch}, but --branch {branch} was given")
     branch = path_branch if path_branch is not None else branch
+    if path_step is not None and step is not None and path_step != step:
+        raise UsageError(f"{target} is step {path_step}, but --step {step} was given")
     step = path_step if path_step is not None else step
     run = read_run_record(run_root / "run.json")  # damaged or edited: one line, before any restore
     cfg = ModelConfig.from_dict(run["config"])
@@ -211,6 +216,7 @@ def load_model(target: str, branch: int | None = None, *, root: Path | None = No
     folder = RunDir(run_root).checkpoints(branch)
     if not folder.is_dir():
         raise MissingInput(f"no checkpoints at {folder} (train that phase first: `smelt train`)")
+    step = step if step is not None else newest_whole_step(folder)  # a damaged newest one is refused
     graphdef, abstract_state = abstract_train_state(cfg, optimizer(schedule))
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     with Checkpointer(folder, read_only=True) as checkpointer:  # a reader: orbax changes nothing

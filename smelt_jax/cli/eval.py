@@ -1,4 +1,4 @@
-"""`smelt eval RUN_ID_OR_CHECKPOINT [--branch K] [--tasks FILE ...] [--dyck-shots 0 1 4 32] [--json]`.
+"""`smelt eval RUN_ID_OR_CHECKPOINT [--branch K] [--step N] [--tasks FILE ...] [--dyck-shots 0 1 4 32] [--json]`.
 
 Cheap by default (the validation loss; Dyck only with --dyck-shots, texts up to the run's training
 context); what it will run, and an estimate of its time and memory, go to stderr before it starts."""
@@ -47,7 +47,8 @@ def cmd_eval(args) -> int:
     from smelt_jax.analysis.evaluate import evaluate_model, load_model, report_to_json, run_corpus
     shots = parse_shots(args.dyck_shots)
     root = Path(args.runs_dir) if args.runs_dir else None
-    loaded = load_model(args.target, args.branch, root=root)
+    loaded = load_model(args.target, args.branch, root=root, step=args.step)
+    print(f"evaluating {loaded.label} ({loaded.run_root})", file=sys.stderr, flush=True)
     corpus = None if args.no_validation else run_corpus(loaded, args.data_dir)
     seq_len = int(loaded.run["schedule"]["seq_len"])
     estimate = estimate_eval(loaded.cfg, corpus, seq_len=seq_len, eval_tokens=args.eval_tokens,
@@ -74,6 +75,9 @@ def register(subparsers) -> None:
                     "K's (--branch). TARGET is a run id, a run folder, or a checkpoint folder.")
     p.add_argument("target", metavar="RUN_ID_OR_CHECKPOINT", help="run id (or unique prefix), run folder or checkpoint folder")
     p.add_argument("--branch", type=int, help="decay branch K (default: the stable run)")
+    p.add_argument("--step", type=int, metavar="N",
+                   help="the checkpoint step to evaluate (default: the newest; a damaged newest one is "
+                        "refused unless a step is named)")
     p.add_argument("--tasks", nargs="+", metavar="FILE",
                    help="task files (.jsonl, LM or multiple choice) or registries (.yaml/.json)")
     p.add_argument("--dyck-shots", nargs="+", default=["none"], metavar="K",
