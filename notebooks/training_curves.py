@@ -19,6 +19,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import pandas as pd
 
+from smelt_jax.run_files.readers import Skipped, load_item
 from smelt_jax.run_files.results import read_results
 from smelt_jax.train.metrics_log import latest_per_step, read_metrics
 
@@ -26,7 +27,10 @@ suite_dir = Path(RUNS_DIR) / SUITE
 train_rows, eval_rows = [], []
 for metrics_file in sorted(suite_dir.glob("*/*/metrics.jsonl")):
     run_id, phase = metrics_file.parent.parent.name, metrics_file.parent.name
-    records = read_metrics(metrics_file)
+    records = load_item(metrics_file, read_metrics)  # a bad file is named and skipped; the rest plotted
+    if isinstance(records, Skipped):
+        print(records.line())
+        continue
     for record in records:
         if "eval" in record and isinstance(record["eval"], dict):
             eval_rows.append({"run_id": run_id, "phase": phase, "step": record.get("step"), **record["eval"]})

@@ -9,6 +9,7 @@ from smelt_jax.design import budget as budget_lib
 from smelt_jax.design import paper
 from smelt_jax.design.descriptors import RunSpec
 from smelt_jax.design.pairs import budget_rows, compare_pair
+from smelt_jax.platform.exit_codes import SKIPPED
 
 
 def _suites():
@@ -33,11 +34,12 @@ def cmd_list(args) -> int:
         saved, problems = saved_runs(args.runs_dir)
         saved = [run for run in saved if not args.suite or run.suite == args.suite]
         for problem in problems:
-            print(f"smelt: skipped: {problem}", file=sys.stderr)
+            print(f"smelt: {problem}", file=sys.stderr)
     runs += saved
+    done = SKIPPED if args.runs_dir and problems else 0  # the runs listed; the bad run.json files named
     if args.json:
         print(json.dumps([run.to_dict() for run in runs], indent=1))
-        return 0
+        return done
     print(f"{'id':<52} {'d':>5} {'L':>3} {'loop':>7} {'E':>4} {'F/token':>9} {'N total':>9} "
           f"{'KV/token':>8} {'S':>6}")
     for run in runs:
@@ -50,7 +52,7 @@ def cmd_list(args) -> int:
     if args.runs_dir:
         print(f"{len(saved)} saved run{'s' if len(saved) != 1 else ''} under {args.runs_dir} (defined by "
               "a config file or --override; their specs are RUNS/SUITE/ID/run.json)")
-    return 0
+    return done
 
 
 def cmd_show(args) -> int:

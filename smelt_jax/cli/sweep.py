@@ -7,6 +7,7 @@ from pathlib import Path
 
 from smelt_jax.design import suites
 from smelt_jax.cli import CliError, filesystem_errors
+from smelt_jax.platform.exit_codes import SKIPPED
 from smelt_jax.sweep.base import CAPACITIES
 from smelt_jax.sweep.graph import JobGraph, JobStatus, suite_graph
 
@@ -92,7 +93,9 @@ def cmd_status(args) -> int:
     for job in summary.damaged:
         print(f"damaged: {job.name} ({job.run.id}): a checkpoint it must provide is damaged; "
               f"`smelt train {job.run.id}` (or submitting the sweep) moves it aside and retrains it")
-    return 0
+    for item in summary.skipped:
+        print(item.line())
+    return SKIPPED if summary.skipped else 0
 
 
 @filesystem_errors
@@ -113,7 +116,11 @@ def cmd_cancel(args) -> int:
 @filesystem_errors
 def cmd_collect(args) -> int:
     from smelt_jax.sweep.collect import collect
-    reports = collect(args.runs_dir, [args.suite] if args.suite else None, run_id=args.run)
+    from smelt_jax.run_files.readers import counted
+    skipped: list = []
+    reports = collect(args.runs_dir, [args.suite] if args.suite else None, run_id=args.run, skipped=skipped)
+    for item in skipped:
+        print(item.line())
     for report in reports:
         if report.set_aside:
             print(f"{report.suite}: the damaged results table was set aside as {report.set_aside} and rebuilt")
@@ -122,7 +129,7 @@ def cmd_collect(args) -> int:
             print(f"  not collected: {problem}")
     if not reports:
         print("no suites found")
-    return 1 if any(report.problems for report in reports) else 0
+    return SKIPPED if counted(skipped) or any(report.problems for report in reports) else 0
 
 
 @filesystem_errors

@@ -89,15 +89,19 @@ def find_run(run_id: str, root=None) -> RunSpec:
 
 def saved_runs(root=None) -> tuple[list[RunSpec], list[str]]:
     """(the runs saved under a runs root, local or gs://, that no suite defines, one line per run.json
-    that does not describe a run), sorted by id."""
+    that does not describe a run or cannot be read: `skipped PATH: why`), sorted by id. Each run.json is
+    read through `readers.read_run_item`, so one bad file never stops the others."""
+    from smelt_jax.run_files.readers import Skipped, read_run_item
     root = storage.as_path(root) if root is not None else runs_root()
     runs, problems = [], []
     for path in _saved_files(root):
-        try:
-            run = read_run_spec(path, Path(str(path)).parent.name)
-        except ConfigError as err:
-            problems.append(str(err))
+        record = read_run_item(path, Path(str(path)).parent.name)
+        if record is None:  # removed meanwhile
             continue
+        if isinstance(record, Skipped):
+            problems.append(record.line())
+            continue
+        run = RunSpec.from_dict(record)
         try:
             suites.find_run(run.id)
         except UnknownName:

@@ -70,13 +70,20 @@ def _mismatch(record: dict, run: RunSpec, expected: str, which: str) -> str:
             "changed since it was written, or the file was edited); train it as a new run")
 
 
-def read_run_record(path, folder_id: str | None = None) -> dict:
-    """The JSON object of run.json at `path`, checked to describe run `folder_id` (the folder's name)
-    and its own recorded id; RunSpecDamaged (one line) otherwise, FileNotFoundError when absent."""
+def _repair(run_id: str, path) -> str:
+    """How to repair a run.json that no longer validates: a suite run's is written again by its trainer
+    (delete it); a config-file or override run's is its only spec (edit the field named)."""
+    if run_id and _suite_run(run_id) is not None:
+        return f"delete {path} (`smelt train {run_id}` writes it again from its suite; checkpoints are kept)"
+    return f"edit that field in {path} (its checkpoints are left as they are)"
+
+
+def parse_run_record(text: str, path, folder_id: str | None = None) -> dict:
+    """The JSON object of a run.json's `text` (read from `path`), checked as `read_run_record` does."""
     which = _which(path, folder_id)
     try:
-        record = parse_json(storage.read_text(path), "run.json")  # a key twice, nesting depth: config_text
-    except (ValueError, UnicodeDecodeError) as err:
+        record = parse_json(text, "run.json")  # a key twice, nesting depth: config_text
+    except (ValueError, RecursionError) as err:
         raise RunSpecDamaged(f"{which} is damaged ({' '.join(str(err).split())[:120]}): not a complete JSON "
                              f"file ({path}); its checkpoints are left as they are") from None
     if not isinstance(record, dict):
@@ -84,11 +91,26 @@ def read_run_record(path, folder_id: str | None = None) -> dict:
     try:
         run = RunSpec.from_dict(record)
     except ConfigError as err:
-        raise RunSpecDamaged(f"{which} does not describe a run ({err}; {path})") from None
+        raise RunSpecDamaged(f"{which} no longer validates ({' '.join(str(err).split())}): "
+                             f"{_repair(folder_id or str(record.get('id') or ''), path)}") from None
     for expected in dict.fromkeys(x for x in (folder_id, record.get("id")) if x):
         if run.id != expected:
             raise RunSpecDamaged(_mismatch(record, run, expected, which))
     return record
+
+
+def read_run_record(path, folder_id: str | None = None) -> dict:
+    """The JSON object of run.json at `path`, checked to describe run `folder_id` (the folder's name)
+    and its own recorded id; RunSpecDamaged (one line) otherwise, FileNotFoundError when absent."""
+    which = _which(path, folder_id)
+    try:
+        text = storage.read_text(path)
+    except UnicodeDecodeError as err:
+        raise RunSpecDamaged(f"{which} is damaged: not UTF-8 text (byte {err.start}) ({path}); its "
+                             "checkpoints are left as they are") from None
+    except IsADirectoryError:
+        raise RunSpecDamaged(f"{which} is a folder, not a file ({path}): remove it") from None
+    return parse_run_record(text, path, folder_id)
 
 
 def read_run_spec(path, folder_id: str | None = None) -> RunSpec:

@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 
 from smelt_jax.run_files.rundir import results_dir, runs_root
-from smelt_jax.platform.storage import is_gcs
+from smelt_jax.platform.storage import is_gcs, naming
 from smelt_jax.sweep.graph import stored_endpoint_keys
 from smelt_jax.platform.errors import MissingInput, UsageError
 
@@ -64,36 +64,46 @@ def endpoint_result(row: dict, where="endpoint row"):
         raise UsageError(f"{where}: {err}; fix or delete it and retrain that branch") from None
 
 
-def _append_missing(suite: str, found: list[tuple[str, str]], store_root: Path) -> CollectReport:
+def _endpoint(path):
+    """One endpoint file read through `readers.read_item`: its EndpointResult, or a Skipped naming it
+    (not UTF-8, a folder, damaged JSON, a bad row)."""
+    from smelt_jax.run_files.readers import read_item
+    where = str(path)
+    return read_item(where, lambda text: endpoint_result(_read_row(text, where), where))
+
+
+def _append_missing(suite: str, paths: list, store_root: Path) -> CollectReport:
     """Append the rows missing from the store; then rewrite the CSV from the parquet table, so a
-    truncated or stale results.csv is repaired even when nothing was missing. `found`: (where, the
-    file's text) per endpoint file. A damaged results.parquet is set aside and rebuilt from every
-    endpoint file; a file that does not parse or holds a bad row is reported and the rest collected."""
+    truncated or stale results.csv is repaired even when nothing was missing. `paths`: the endpoint
+    files (local or gs://), each read through `_endpoint`. A damaged results.parquet is set aside and
+    rebuilt from every endpoint file; a file that cannot be read, does not parse or holds a bad row is
+    reported (one line naming it) and the rest collected."""
+    from smelt_jax.run_files.readers import Skipped
     from smelt_jax.run_files.results import append_result, rewrite_csv, set_aside_damaged
     folder = results_dir(suite, store_root)
     aside = set_aside_damaged(folder)
     stored = stored_endpoint_keys(suite, store_root)
     appended, problems = 0, []
-    for where, text in found:
+    for path in paths:
         try:
-            row = _read_row(text, where)
-            result = endpoint_result(row, where)
-        except UsageError as err:
-            problems.append(str(err))
+            result = _endpoint(path)
+        except FileNotFoundError:  # removed while collecting
+            continue
+        if isinstance(result, Skipped):
+            problems.append(f"{result.path}: {result.reason}")
             continue
         if (result.run_id, result.branch) not in stored:
             append_result(result, folder)
             appended += 1
     if not appended:
         rewrite_csv(folder)
-    return CollectReport(suite, len(found), appended, tuple(problems), str(aside or ""))
+    return CollectReport(suite, len(paths), appended, tuple(problems), str(aside or ""))
 
 
 def collect_suite(suite: str, root: Path | None = None) -> CollectReport:
     """Appends the missing endpoint rows of one suite under a local runs root."""
     root = Path(root) if root is not None else runs_root()
-    files = sorted((root / suite).glob(ENDPOINT_GLOB))
-    return _append_missing(suite, [(str(path), path.read_text()) for path in files], root)
+    return _append_missing(suite, sorted((root / suite).glob(ENDPOINT_GLOB)), root)
 
 
 def collect_run(run_id: str, root: Path | None = None) -> CollectReport:
@@ -102,8 +112,7 @@ def collect_run(run_id: str, root: Path | None = None) -> CollectReport:
     from smelt_jax.run_files.run_lookup import find_run
     root = Path(root) if root is not None else runs_root()
     run = find_run(run_id, root)
-    files = sorted((root / run.suite / run.id).glob("branch*/endpoint.json"))
-    return _append_missing(run.suite, [(str(path), path.read_text()) for path in files], root)
+    return _append_missing(run.suite, sorted((root / run.suite / run.id).glob("branch*/endpoint.json")), root)
 
 
 def _bucket_endpoints(root: str, suite: str | None = None) -> list[str]:
@@ -122,16 +131,13 @@ def _bucket_endpoints(root: str, suite: str | None = None) -> list[str]:
     return sorted(found)
 
 
-def _bucket_files(root: str, suite: str) -> list[tuple[str, str]]:
-    from smelt_jax.platform import storage as gcs
-    return [(url, gcs.read_text(url)) for url in _bucket_endpoints(root, suite)]
-
-
 def collect(root: str | Path | None = None, suites: list[str] | None = None,
-            store_root: Path | None = None, run_id: str | None = None) -> list[CollectReport]:
+            store_root: Path | None = None, run_id: str | None = None,
+            skipped: list | None = None) -> list[CollectReport]:
     """Collects every suite under `root` (or the named ones, or the one run `run_id` names: local roots
     only). A gs:// root's rows go to the local store under `store_root` (default: the local runs
-    root)."""
+    root). Folders of a local runs root that cannot be suites (`lost+found`, `smoke-old`) are left
+    alone and appended to `skipped` (`readers.Skipped`, one line each) when a list is given."""
     root_text = str(root) if root is not None else str(runs_root())
     if run_id is not None:
         if "://" in root_text:
@@ -143,14 +149,18 @@ def collect(root: str | Path | None = None, suites: list[str] | None = None,
             suites = sorted({url[len(base):].split("/", 1)[0] for url in _bucket_endpoints(root_text)})
         from smelt_jax.platform.storage import as_path
         store = as_path(store_root) if store_root is not None else runs_root()
-        return [_append_missing(suite, _bucket_files(root_text, suite), store) for suite in suites]
+        return [_append_missing(suite, _bucket_endpoints(root_text, suite), store) for suite in suites]
     if "://" in root_text:
         raise UsageError(f"unsupported runs root {root_text!r}: a local path or gs://")
     local = Path(root_text)
     if not local.is_dir():
         raise MissingInput(f"runs root {local} does not exist")
-    names = suites or sorted(p.name for p in local.iterdir() if p.is_dir() and not p.name.startswith("."))
-    return [collect_suite(name, local) for name in names]
+    if not suites:
+        from smelt_jax.run_files.readers import suite_folders
+        suites, foreign = suite_folders(local)
+        if skipped is not None:
+            skipped.extend(foreign)
+    return [collect_suite(name, local) for name in suites]
 
 
 def export(suite: str, out_path: str | Path, root: Path | None = None,
@@ -184,5 +194,6 @@ def export(suite: str, out_path: str | Path, root: Path | None = None,
         left_out = 0
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    out.to_csv(out_path, index=False, float_format="%.8g")
+    with naming(out_path):  # a full disk says which file (issue 53)
+        out.to_csv(out_path, index=False, float_format="%.8g")
     return len(out), left_out

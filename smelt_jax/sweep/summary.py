@@ -11,7 +11,7 @@ from pathlib import Path
 
 from smelt_jax.run_files.results import read_results
 from smelt_jax.run_files.rundir import results_dir, run_dir
-from smelt_jax.run_files.run_data import recorded_data
+from smelt_jax.run_files.readers import Skipped, read_run_item
 from smelt_jax.sweep.graph import Job, JobGraph, JobStatus, count_statuses
 
 
@@ -26,6 +26,8 @@ class SweepSummary:
     # run id -> its run.json's data record; {} when run.json records none (older runs), None when the
     # run has no run.json yet (not started)
     data: dict[str, dict | None] = dataclasses.field(default_factory=dict)
+    # run.json files that could not be read (damaged, edited, a folder): one line each; the rest counted
+    skipped: tuple[Skipped, ...] = ()
 
     def data_label(self, run_id: str) -> str:
         """A run's data in one word: the store digest's first 12 hex digits, `unrecorded` or `-`."""
@@ -60,17 +62,25 @@ def summarize(graph: JobGraph, statuses: dict[str, JobStatus], root: Path | None
     wanted = {(job.run.id, job.branch) for job in branches}
     in_store = (len(wanted & set(zip(table["run_id"], table["branch"].astype(int))))
                 if len(table) else 0)
+    data, skipped = _data(graph, root)
     return SweepSummary(
         counts=count_statuses(statuses), jobs=len(graph.jobs), endpoints_expected=len(branches),
         endpoints_written=written, endpoints_in_store=in_store,
         damaged=tuple(job for job in graph.jobs if statuses[job.name] == JobStatus.DAMAGED),
-        data=_data(graph, root))
+        data=data, skipped=tuple(skipped))
 
 
-def _data(graph: JobGraph, root: Path | None) -> dict[str, dict | None]:
+def _data(graph: JobGraph, root: Path | None) -> tuple[dict[str, dict | None], list[Skipped]]:
+    """(run id -> its run.json's data record, the run.json files skipped): each read through
+    `readers.read_run_item`, so one bad file is named and the others still read."""
     out: dict[str, dict | None] = {}
+    skipped: list[Skipped] = []
     for job in graph.jobs:
         if job.is_stable:
-            exists, record = recorded_data(run_dir(graph.suite, job.run.id, root).spec_file)
-            out[job.run.id] = (record or {}) if exists else None
-    return out
+            record = read_run_item(run_dir(graph.suite, job.run.id, root).spec_file, job.run.id)
+            if isinstance(record, Skipped):
+                skipped.append(record)  # left out of the data lines: named on its own line
+                continue
+            data = record.get("data") if record is not None else None
+            out[job.run.id] = (data if isinstance(data, dict) else {}) if record is not None else None
+    return out, skipped
