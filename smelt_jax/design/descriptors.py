@@ -9,10 +9,12 @@ never share one.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Any
 
 from smelt_jax.design import budget as budget_lib
-from smelt_jax.design.config import ConfigError, ModelConfig, Schedule, content_hash, value_problem
+from smelt_jax.design.config import (REMAT_POLICIES, ConfigError, ModelConfig, Schedule, content_hash,
+                                     value_problem)
 from smelt_jax.platform.errors import UsageError
 from smelt_jax.run_files.path_names import check_name
 # What a run's data must be tokenized with (`RunSpec.tokenizer`): "" any tokenizer whose ids fit the
@@ -56,8 +58,10 @@ def _section(cls, data, where: str):
             raise ConfigError(f"{where}.{name}: expected {problem}, got {value!r}")
     try:
         return cls.from_dict(data) if hasattr(cls, "from_dict") else cls(**data)
-    except ConfigError as err:
-        raise ConfigError(f"{where}: {err}") from None
+    except ConfigError as err:  # "Parallelism.remat ..." -> "RunSpec.parallelism.remat ...": the field
+        own = f"{cls.__name__}."
+        text = str(err)
+        raise ConfigError(f"{where}.{text[len(own):]}" if text.startswith(own) else f"{where}: {text}") from None
     except (TypeError, ValueError, ArithmeticError) as err:
         raise ConfigError(f"{where}: {' '.join(str(err).split())}") from None
 
@@ -85,6 +89,16 @@ class Parallelism:
 
         if self.exchange not in EXPERT_EXCHANGES:
             raise ConfigError(f"Parallelism.exchange {self.exchange!r} not in {EXPERT_EXCHANGES}")
+        # Checked here, where every layout is made (a suite, a config file, run.json, --layout), so a
+        # bad one is one line before anything is written (issue 53), not a traceback in the model.
+        if self.remat not in REMAT_POLICIES:
+            raise ConfigError(f"Parallelism.remat {self.remat!r} not in {REMAT_POLICIES}")
+        for axis in ("data", "fsdp", "expert", "tensor"):
+            size = getattr(self, axis)
+            whole = isinstance(size, numbers.Integral) and not isinstance(size, bool)
+            if not whole or not (size == -1 or size >= 1):
+                raise ConfigError(f"Parallelism.{axis} {size!r}: a mesh axis size is a positive integer "
+                                  "or -1 (fill the rest)")
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)

@@ -315,10 +315,10 @@ def train(run: RunSpec, branch: int | None = None, *, root: Path | None = None, 
     the holder, before any other work. SIGTERM / SIGINT from here to the end raise `Preempted`.
     """
     from smelt_jax.train import lock as lock_lib
-
-    lr_lib.phase_steps(run.schedule, branch)  # a bad branch fails before anything is written
+    from smelt_jax.train.preflight import check_before_writing  # a bad branch or mesh: nothing written
     from smelt_jax.run_files.memory_estimate import check_fits
     layout = parallelism if parallelism is not None else run.parallelism
+    check_before_writing(run, branch, layout, options.devices or jax.device_count())
     with StopSignal() as stop:
         corpus, data = run_data.data_for_run(run.id, run_dir(run.suite, run.id, root).spec_file, corpus=corpus,
                                              data_dir=data_dir, open_store=_open_store)
