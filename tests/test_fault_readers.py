@@ -160,3 +160,17 @@ def test_the_one_reader_returns_the_item_or_a_named_reason(tmp_path):
     assert read_item(tmp_path / "bytes", parse).line().startswith(f"skipped {tmp_path / 'bytes'}: not a UTF-8")
     with pytest.raises(FileNotFoundError):
         read_item(tmp_path / "absent", parse)
+
+
+def test_a_damaged_local_sweep_state_is_named_once_and_status_reads_the_run_folders(root, capsys):
+    """A damaged sweeps/<suite>/state.json was a JSONDecodeError traceback in `sweep status`."""
+    from smelt_jax.sweep.local import sweep_dir
+    _three(root)
+    state = sweep_dir(SUITE, root) / "state.json"
+    state.parent.mkdir(parents=True, exist_ok=True)
+    state.write_text('{"jobs": {"a": ')
+    assert main(["sweep", "status", "--suite", SUITE, "--runs-dir", str(root)]) == 0
+    captured = capsys.readouterr()
+    line, = _lines(captured.err, "skipped")
+    assert f"skipped {state}: damaged" in line, captured.err
+    assert "endpoints: 3 written" in captured.out

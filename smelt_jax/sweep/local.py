@@ -91,9 +91,34 @@ def job_command(job: Job, settings: LocalSettings) -> list[str]:
 
 # State file and lock ---------------------------------------------------------------------------
 
+_STATE_SKIPPED: set[str] = set()
+
+
+def _parse_state(text: str) -> dict:
+    try:
+        state = json.loads(text)
+    except ValueError as err:
+        raise UsageError(f"damaged ({' '.join(str(err).split())[:120]})") from None
+    if not isinstance(state, dict) or not isinstance(state.get("jobs", {}), dict):
+        raise UsageError("damaged (not a sweep state object)")
+    return state
+
+
 def load_state(suite: str, root: Path) -> dict:
+    """The sweep's state (attempts, pids, failed jobs); a damaged state.json is named once on stderr and
+    read as empty: the job statuses then come from the run folders alone (`readers.read_item`)."""
+    from smelt_jax.run_files.readers import Skipped, read_item
     path = sweep_dir(suite, root) / "state.json"
-    return json.loads(path.read_text()) if path.exists() else {"jobs": {}}
+    if not path.exists():
+        return {"jobs": {}}
+    state = read_item(path, _parse_state)
+    if isinstance(state, Skipped):
+        if state.path not in _STATE_SKIPPED:
+            _STATE_SKIPPED.add(state.path)
+            print(f"smelt: {state.line()}; job statuses come from the run folders alone (the next local "
+                  "sweep writes it again)", file=sys.stderr)
+        return {"jobs": {}}
+    return state
 
 
 def _save_state(suite: str, root: Path, state: dict) -> None:
