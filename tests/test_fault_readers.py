@@ -174,3 +174,21 @@ def test_a_damaged_local_sweep_state_is_named_once_and_status_reads_the_run_fold
     line, = _lines(captured.err, "skipped")
     assert f"skipped {state}: damaged" in line, captured.err
     assert "endpoints: 3 written" in captured.out
+
+
+def test_a_results_table_that_is_a_folder_is_named_and_collect_rebuilds_it(root, tmp_path, capsys):
+    """results.parquet as a folder read as an empty table (export: "no endpoint rows"), and collect
+    failed naming a temporary file."""
+    _, keys = _three(root)
+    assert main(["results", "collect", "--runs-dir", str(root)]) == 0
+    table = results_dir(SUITE, root) / "results.parquet"
+    table.unlink()
+    table.mkdir()
+    capsys.readouterr()
+    out = tmp_path / "out.csv"
+    assert main(["results", "export", "--suite", SUITE, "--runs-dir", str(root), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{table} is a folder" in err, err
+    assert main(["results", "collect", "--runs-dir", str(root)]) == 0
+    assert "set aside" in capsys.readouterr().out
+    assert _keys(read_results(results_dir(SUITE, root))) == keys

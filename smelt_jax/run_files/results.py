@@ -225,6 +225,9 @@ def _read_table(folder: Path) -> pd.DataFrame:
     path = folder / TABLE_NAME
     if not path.exists():
         return pd.DataFrame(columns=list(FIXED_COLUMNS))
+    if path.is_dir():  # pandas would read a folder as an empty dataset, and every append then fail
+        raise ResultsDamaged(f"{path} is a folder, not the results table; `smelt results collect` sets it "
+                             "aside and rebuilds the table from the endpoint files")
     return _parse(path, path)
 
 
