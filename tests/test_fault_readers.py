@@ -192,3 +192,16 @@ def test_a_results_table_that_is_a_folder_is_named_and_collect_rebuilds_it(root,
     assert main(["results", "collect", "--runs-dir", str(root)]) == 0
     assert "set aside" in capsys.readouterr().out
     assert _keys(read_results(results_dir(SUITE, root))) == keys
+
+
+def test_sweep_status_names_an_endpoint_file_that_is_a_folder(root, capsys):
+    """A folder in place of endpoint.json counted as a written endpoint."""
+    jobs, _ = _three(root)
+    bad = run_dir(SUITE, jobs[1].run.id, root).endpoint(jobs[1].branch)
+    bad.unlink()
+    bad.mkdir()
+    assert main(["sweep", "status", "--suite", SUITE, "--runs-dir", str(root)]) == SKIPPED
+    out = capsys.readouterr().out
+    line, = _lines(out, "skipped")
+    assert line.startswith(f"skipped {bad}: a folder"), out
+    assert "endpoints: 2 written" in out, out

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from smelt_jax.platform import storage
 from smelt_jax.run_files.results import read_results
 from smelt_jax.run_files.rundir import results_dir, run_dir
 from smelt_jax.run_files.readers import Skipped, read_run_item
@@ -57,7 +58,10 @@ class SweepSummary:
 
 def summarize(graph: JobGraph, statuses: dict[str, JobStatus], root: Path | None = None) -> SweepSummary:
     branches = [job for job in graph.jobs if not job.is_stable]
-    written = sum(run_dir(graph.suite, job.run.id, root).endpoint(job.branch).exists() for job in branches)
+    endpoints = [run_dir(graph.suite, job.run.id, root).endpoint(job.branch) for job in branches]
+    written = sum(storage.exists(path) for path in endpoints)  # a file: a folder there is named below
+    folders = [Skipped(str(path), "a folder where the endpoint file should be; remove it and retrain that "
+                       "branch") for path in endpoints if not storage.is_gcs(str(path)) and path.is_dir()]
     table = read_results(results_dir(graph.suite, root))
     wanted = {(job.run.id, job.branch) for job in branches}
     in_store = (len(wanted & set(zip(table["run_id"], table["branch"].astype(int))))
@@ -67,7 +71,7 @@ def summarize(graph: JobGraph, statuses: dict[str, JobStatus], root: Path | None
         counts=count_statuses(statuses), jobs=len(graph.jobs), endpoints_expected=len(branches),
         endpoints_written=written, endpoints_in_store=in_store,
         damaged=tuple(job for job in graph.jobs if statuses[job.name] == JobStatus.DAMAGED),
-        data=data, skipped=tuple(skipped))
+        data=data, skipped=tuple(skipped + folders))
 
 
 def _data(graph: JobGraph, root: Path | None) -> tuple[dict[str, dict | None], list[Skipped]]:
