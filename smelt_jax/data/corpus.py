@@ -94,7 +94,8 @@ class BuildConfig:
 
 def default_data_dir() -> Path:
     """$SMELT_DATA_DIR if set, else `data_cache/` at the repository root (git-ignored)."""
-    env = os.environ.get("SMELT_DATA_DIR")
+    from smelt_jax.platform import env as environment  # the one door for outside values
+    env = environment.data_dir()
     return Path(env) if env else checkout_root() / "data_cache"
 
 

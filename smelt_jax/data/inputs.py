@@ -85,7 +85,8 @@ def _sha256(path: Path) -> str:
 
 def _download(archive: Archive, target: Path) -> None:
     """Fetch `archive` into `target` (atomically), from the mirror when one is set; retry with backoff."""
-    mirror = os.environ.get(MIRROR_ENV)
+    from smelt_jax.platform import env  # the one door for outside values (MIRROR_ENV)
+    mirror = env.corpus_mirror()
     source = f"{mirror.rstrip('/')}/{archive.filename}" if mirror else archive.url
     partial = target.with_name(target.name + ".part")
     local = bool(mirror) and "://" not in mirror

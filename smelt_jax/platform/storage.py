@@ -26,7 +26,7 @@ import re
 import tempfile
 from pathlib import Path
 
-from smelt_jax.platform.errors import MissingInput, UsageError
+from smelt_jax.platform.errors import MissingInput, SmeltError, UsageError
 
 GCS_PREFIX = "gs://"
 _WILDCARDS = "*?["
@@ -107,6 +107,41 @@ def _bucket(bucket: str):
     import tensorstore as ts
 
     return ts.KvStore.open({"driver": "gcs", "bucket": bucket}).result()
+
+
+class Unreachable(SmeltError, ConnectionError):
+    """A gs:// location that cannot be reached (network, an emulator not running, credentials, a bad
+    bucket name): one line with the cause, after PROBE_RETRIES tries (`check_reachable`)."""
+
+
+PROBE_RETRIES = 3                  # tries of the probe's one request (tensorstore's retry loop)
+PROBE_TIMEOUT_SECONDS = 30.0       # and its wall-clock bound, whatever the retries do
+PROBE_KEY = ".smelt-reachable"     # an object name nobody writes: the read answers "missing" when all is well
+
+
+def check_reachable(url, what: str = "runs root") -> None:
+    """Nothing for a local path or a gs:// URL that answers; Unreachable (one line naming `url` and the
+    cause) when a read under it fails after PROBE_RETRIES tries or PROBE_TIMEOUT_SECONDS. Commands call it
+    before they start on a gs:// runs root, so an unreachable bucket fails in seconds, not after the
+    minutes of retries (tensorstore, gcsfs) that the reads themselves would make."""
+    text = check(url)
+    if not is_gcs(text):
+        return
+    import tensorstore as ts
+
+    bucket, key = split_gcs(text)
+    retries = {"max_retries": PROBE_RETRIES, "initial_delay": "0.2s", "max_delay": "2s"}
+    try:
+        store = ts.KvStore.open({"driver": "gcs", "bucket": bucket,
+                                 "context": {"gcs_request_retries": retries}}).result()
+        store.read(join(key, PROBE_KEY) if key else PROBE_KEY).result(timeout=PROBE_TIMEOUT_SECONDS)
+    except TimeoutError:
+        raise Unreachable(f"cannot reach the {what} {text}: no answer in {PROBE_TIMEOUT_SECONDS:g} s "
+                          "(network, credentials, or TENSORSTORE_GCS_HTTP_URL)") from None
+    except ValueError as err:
+        cause = " ".join(str(err).split())
+        cause = cause if len(cause) <= 200 else cause[:200] + "..."
+        raise Unreachable(f"cannot reach the {what} {text}: {cause}") from None
 
 
 def kvstore_spec(url) -> dict:

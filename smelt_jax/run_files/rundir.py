@@ -13,7 +13,8 @@
         <phase>/profile/              `smelt train --profile` traces (jax.profiler)
     <runs root>/<suite>/results.parquet   one row per finished endpoint (+ results.csv)
 
-The runs root is `$SMELT_RUNS_DIR`, else `runs/` in the current directory. It may be a bucket
+The runs root is `$SMELT_RUNS_DIR`, else `runs/` in the current directory (an empty SMELT_RUNS_DIR counts
+as unset: `smelt_jax.platform.env`). It may be a bucket
 (`gs://BUCKET/...`): paths under it are then `etils.epath.Path`s (`storage.as_path`), and the trainer
 writes run.json, metrics.jsonl, TensorBoard files, profiles, endpoint.json and the results table there
 through `smelt_jax.platform.storage` (tensorstore); orbax writes the checkpoints there itself (through
@@ -26,15 +27,15 @@ and temporary steps) is `smelt_jax.run_files.checkpoint_format`.
 from __future__ import annotations
 
 import dataclasses
-import os
 from pathlib import Path
 
 from smelt_jax.run_files.path_names import check_inside, check_name, check_run_id
+from smelt_jax.platform import env
 from smelt_jax.platform.storage import as_path
 
 
 def runs_root() -> Path:
-    return as_path(os.environ.get("SMELT_RUNS_DIR", "runs"))
+    return as_path(env.runs_dir())
 
 
 @dataclasses.dataclass(frozen=True)

@@ -40,11 +40,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol
 
+from smelt_jax.platform import env
+from smelt_jax.platform.env import DEFAULT_LOCK_STALE_SECONDS
 from smelt_jax.platform.errors import SmeltError
 
 LOCK_NAME = "trainer.lock"
 HEARTBEAT_SECONDS = 15.0
-STALE_SECONDS = 300.0
+STALE_SECONDS = DEFAULT_LOCK_STALE_SECONDS  # the one default: smelt_jax.platform.env
 UNREADABLE_STALE_SECONDS = 30.0  # an empty or garbled lock file (its writer died creating it)
 _HELD_TOKENS: set[str] = set()  # the tokens of the locks this process holds now
 _NO_HARD_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK}
@@ -67,7 +69,8 @@ class PhaseLock(Protocol):
 
 
 def stale_seconds() -> float:
-    return float(os.environ.get("SMELT_LOCK_STALE_SECONDS", STALE_SECONDS))
+    """SMELT_LOCK_STALE_SECONDS (default STALE_SECONDS), parsed by the one door: `platform.env`."""
+    return env.lock_stale_seconds()
 
 
 def _pid_alive(pid: int) -> bool:
