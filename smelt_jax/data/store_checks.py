@@ -26,6 +26,7 @@ import zlib
 import numpy as np
 
 from smelt_jax.platform import storage as gcs
+from smelt_jax.platform.errors import SmeltError
 
 CHECKSUM_KEY = "crc32"
 CHUNK_DIR = "c"
@@ -44,9 +45,12 @@ def chunk_checksums(tokens_url: str, count: int) -> str:
     return "".join(crc32_hex(gcs.read_bytes(chunk_url(tokens_url, i))) for i in range(count))
 
 
-def _store_error(message: str):
-    from smelt_jax.data.token_store import StoreError
+class StoreError(SmeltError, ValueError):
+    """A token store that is missing, incomplete, of another tokenizer, or fails its digests (defined
+    here, the lowest module of the store; `token_store.StoreError` is this class)."""
 
+
+def _store_error(message: str) -> StoreError:
     return StoreError(message)
 
 

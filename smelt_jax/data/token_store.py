@@ -42,8 +42,9 @@ from collections.abc import Iterable
 import numpy as np
 
 from smelt_jax.data import store_checks as checks
+from smelt_jax.data.store_checks import StoreError
 from smelt_jax.platform import storage as gcs
-from smelt_jax.platform.errors import SmeltError, UnknownName
+from smelt_jax.platform.errors import UnknownName
 
 STORE_FORMAT = "smelt-token-store/1"
 MANIFEST_NAME = "manifest.json"
@@ -56,10 +57,6 @@ TOKENS_CHUNK = 1 << 16
 SMALL_CHUNK = 1 << 20
 READ_GAP = 1 << 14  # index runs closer than this are read as one range
 SPLITS = ("train", "val")
-
-
-class StoreError(SmeltError, ValueError):
-    """A token store that is missing, incomplete, of another tokenizer, or fails its digests."""
 
 
 @dataclasses.dataclass(frozen=True)
