@@ -299,6 +299,38 @@ def write_tables(tables: dict[str, pd.DataFrame], folder) -> list[Any]:
     paths = []
     for name, table in tables.items():
         path = folder / f"{name}.csv"
-        table.to_csv(path, index=False)
+        with gcs.naming(path):  # a full disk says which file
+            table.to_csv(path, index=False)
         paths.append(path)
     return paths
+
+
+def check_writable(folder) -> None:
+    """Refuse an output folder the tables cannot be written to before the analysis runs (issue 53): a
+    local folder is made and a probe file written and removed in it; the folders the probe made are
+    removed again. An OSError names the path (the CLI's one line); gs:// is checked for its form only."""
+    import os
+    import tempfile
+    from pathlib import Path
+
+    from smelt_jax.platform import storage as gcs
+
+    gcs.require_folder(folder, "--out")
+    if gcs.is_gcs(folder):
+        return
+    folder = Path(folder).absolute()
+    made = [p for p in (folder, *folder.parents) if not os.path.lexists(p)]
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".smelt-write-probe-"):
+            pass
+    except OSError as err:
+        if err.filename is None:
+            err.filename = str(folder)
+        raise
+    finally:
+        for path in made:  # deepest first
+            try:
+                path.rmdir()
+            except OSError:
+                pass

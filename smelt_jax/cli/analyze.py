@@ -4,19 +4,25 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from smelt_jax.cli import filesystem_errors
 
+
+@filesystem_errors
 def cmd_analyze(args) -> int:
     from smelt_jax.analysis.evaluate import load_model, run_corpus
-    from smelt_jax.analysis.run_analysis import analysis_tables, write_tables
+    from smelt_jax.analysis.run_analysis import analysis_tables, check_writable, write_tables
     root = Path(args.runs_dir) if args.runs_dir else None
+    if args.out:  # an output folder that cannot be written is refused before anything runs
+        check_writable(args.out)
     loaded = load_model(args.target, args.branch, root=root)
+    phase = "stable" if loaded.branch is None else f"branch{loaded.branch}"
+    out = args.out if args.out else loaded.run_root / phase / "analysis"  # a local folder or gs://...
+    check_writable(out)
     corpus = run_corpus(loaded, args.data_dir)
     tables = analysis_tables(loaded.model, corpus, n_tokens=args.tokens,
                              seq_len=args.seq_len, batch_size=args.batch_size,
                              attention_rows=args.attention_rows, dyck=not args.no_dyck,
                              dyck_shots=args.dyck_shots, dyck_examples=args.dyck_examples)
-    phase = "stable" if loaded.branch is None else f"branch{loaded.branch}"
-    out = args.out if args.out else loaded.run_root / phase / "analysis"  # a local folder or gs://...
     for path in write_tables(tables, out):
         print(path)
     return 0

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from smelt_jax.cli import CliError
+from smelt_jax.cli import CliError, filesystem_errors
 
 
 def parse_shots(values: list[str]) -> tuple[int, ...]:
@@ -40,6 +40,7 @@ def _print_tables(label: str, report: dict) -> None:
         print(f"DCLM Core (mean centered accuracy): {report['dclm_core']:.4f}")
 
 
+@filesystem_errors
 def cmd_eval(args) -> int:
     import sys
 

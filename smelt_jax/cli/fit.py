@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 
 from smelt_jax.cli import CliError, filesystem_errors, one_line_warnings
@@ -40,6 +41,11 @@ def _fit(args) -> int:
     names = [k for k in ("E", "A", "B", "K", "a", "b", "c", "alpha", "beta", "phi") if k in coefficients]
     print(" ".join(f"{k}={coefficients[k]:.6g}" for k in names)
           + f"  rmse={coefficients['rmse']:.5f}  n={coefficients['n_points']}  -> {args.out}/coefficients.json")
+    if args.law == "smelt":  # a fit the data cannot identify says so (its figures are titled degenerate)
+        from smelt_jax.scaling import health, io
+
+        for problem in health.assess_fit(coefficients, losses=io.fit_losses(args.out)):
+            print(f"warning: {problem}", file=sys.stderr)
     return 0
 
 

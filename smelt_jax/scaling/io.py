@@ -133,3 +133,15 @@ def load_coefficients(path) -> dict:
     data["_law"] = law_from_dict(data["law"], data)
     data["_path"] = str(path)
     return data
+
+
+def fit_losses(fit) -> list[float] | None:
+    """The losses of the points a fit was fitted to (points.csv beside its coefficients.json; `fit`: the
+    folder or a `load_coefficients` dict), or None when there is no such file or column: what
+    `health.assess_fit` needs to see a constant-loss table."""
+    folder = Path(fit["_path"]).parent if isinstance(fit, dict) else Path(fit)
+    try:
+        points = pd.read_csv(folder / "points.csv")
+    except (OSError, ValueError):
+        return None
+    return [float(v) for v in points["loss"]] if "loss" in points.columns else None

@@ -18,6 +18,7 @@ import pandas as pd
 
 from smelt_jax.design import paper
 from smelt_jax.platform.errors import MissingInput, UsageError
+from smelt_jax.platform.storage import naming
 from smelt_jax.scaling import (
     bootstrap,
     endpoints,
@@ -37,7 +38,8 @@ from smelt_jax.scaling.laws import LAWS, ChinchillaLaw, SmeltLaw
 def write_json(path, data) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(written.rounded(data), indent=2, sort_keys=True) + "\n")
+    with naming(path):  # a full disk says which file (issue 53)
+        path.write_text(json.dumps(written.rounded(data), indent=2, sort_keys=True) + "\n")
     return path
 
 
@@ -96,9 +98,11 @@ def fit_to_dir(input_path, law_name: str, out_dir, *, arch: str | None = None, m
     out_dir = Path(out_dir)
     write_json(out_dir / "coefficients.json", coefficients)
     sort_cols = [c for c in LAWS[law_name].columns if c in table.columns]
-    table.sort_values(sort_cols, kind="stable").to_csv(out_dir / "points.csv", index=False)
+    with naming(out_dir / "points.csv"):
+        table.sort_values(sort_cols, kind="stable").to_csv(out_dir / "points.csv", index=False)
     if boot is not None:
-        np.savez(out_dir / "bootstrap.npz", raw=boot["raw"], converged=boot["converged"])
+        with naming(out_dir / "bootstrap.npz"):
+            np.savez(out_dir / "bootstrap.npz", raw=boot["raw"], converged=boot["converged"])
     return coefficients
 
 
@@ -152,7 +156,8 @@ def write_fit_tables(fit_dir) -> list[Path]:
         if points_path.exists():   # a figure only where there are fitted points to show
             paths += tables.loss_vs_compute_figure(
                 fit_dir, {coefficients.get("arch") or "fit": coefficients["_law"]}, pd.read_csv(points_path),
-                compute_range=coefficients.get("compute_range"), problems=health.assess_fit(coefficients))
+                compute_range=coefficients.get("compute_range"),
+                problems=health.assess_fit(coefficients, losses=io.fit_losses(coefficients)))
     return paths
 
 
@@ -171,7 +176,7 @@ def write_pair_tables(pair_dir, reference="baseline", target="smelt", computes=p
     # computes; outside the range they draw extrapolation
     data_range = _common_range((ref, tgt)) or (gains.fitted_compute_range(points["F"], points["D"])
                                                 if points is not None else None)
-    problems = health.assess_fit(ref) + health.assess_fit(tgt)
+    problems = [p for fit in (ref, tgt) for p in health.assess_fit(fit, losses=io.fit_losses(fit))]
     paths += tables.ce_gain_figure(pair_dir, ref["_law"], tgt["_law"], sparsities, compute=computes,
                                    reference_draws=ref_draws, target_draws=tgt_draws,
                                    compute_range=data_range, problems=problems)

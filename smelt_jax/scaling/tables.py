@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from smelt_jax.platform.storage import naming
 from smelt_jax.scaling import written
 from smelt_jax.scaling.gains import ce_gain, fitted_compute_range
 
@@ -90,7 +91,8 @@ def write_table(out_dir, stem: str, rows: list[dict], columns: list[str], header
     for suffix, text in ((".md", to_markdown(rows, columns, headers)), (".csv", to_csv(rows, columns)),
                          (".tex", to_latex(rows, columns, headers))):
         path = out_dir / f"{stem}{suffix}"
-        path.write_text(text)
+        with naming(path):  # a full disk says which file (issue 53)
+            path.write_text(text)
         paths.append(path)
     return paths
 
@@ -213,8 +215,11 @@ def _note_missing(ax, missing: list[str]) -> None:
 def save_figure(fig, out_dir, stem) -> list[Path]:
     """`stem`.png and `stem`.pdf with no date or software metadata (the same bytes on every run)."""
     paths = [Path(out_dir) / f"{stem}.png", Path(out_dir) / f"{stem}.pdf"]
-    fig.savefig(paths[0], dpi=100, metadata={"Software": None})
-    fig.savefig(paths[1], metadata={"CreationDate": None, "ModDate": None, "Producer": None, "Creator": None})
+    with naming(paths[0]):
+        fig.savefig(paths[0], dpi=100, metadata={"Software": None})
+    with naming(paths[1]):
+        fig.savefig(paths[1], metadata={"CreationDate": None, "ModDate": None, "Producer": None,
+                                        "Creator": None})
     return paths
 
 
