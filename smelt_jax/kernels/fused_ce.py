@@ -36,52 +36,72 @@ from jax.experimental.pallas import tpu as pltpu
 
 from smelt_jax.kernels.backend import pallas_interpret
 
-# Budget for the blocks of one kernel (double-buffered blocks + f32 temporaries). The scoped VMEM limit
-# is raised to 2x this, at most 3/4 of a core's VMEM (`pltpu.get_tpu_info`: v5e 128 MiB, v5p 64 MiB ->
-# 48 MiB); the default tiles compile for v5e and v5p at the smelt16 shapes (tests/test_fused_ce.py).
-VMEM_BUDGET = 40 * 2**20
 VECTORS = 8  # rows of the backward's packed per-token inputs [8, n] f32 (lane-dense: 32 B a token)
+V5P_VMEM = 64 * 2**20  # a v5p core's VMEM (`pltpu.get_tpu_info`); the tiles' reference when interpreting
 
 
 @dataclasses.dataclass(frozen=True)
 class Tiles:
-    """Tile sizes: forward (tm, tv) and backward (tm, tv); multiples of 8 and 128. Shrunk to the input."""
+    """Tile sizes, multiples of 8 (tokens) and 128 (vocabulary); shrunk to the input by `fit_tiles`.
+    forward: (fwd_tokens, fwd_vocab) blocks. backward: (bwd_tokens, bwd_vocab) blocks, the vocabulary
+    block walked in sub-tiles of bwd_sub columns inside the kernel; splits: independent vocabulary
+    halves (megacore), 1 when they do not divide the vocabulary blocks."""
 
     fwd_tokens: int = 2048
     fwd_vocab: int = 512
     bwd_tokens: int = 256
-    bwd_vocab: int = 4096
-    splits: int = 2  # independent vocabulary halves of the backward (megacore); 1 when they do not divide
+    bwd_vocab: int = 8192
+    splits: int = 2
+    bwd_sub: int = 1024
 
 
 def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
-def default_tiles(d: int, itemsize: int = 2) -> Tiles:
-    """Tiles whose backward blocks fit VMEM_BUDGET at width d: the dw accumulator [d, tv] f32 and the w
-    block [d, tv] of `itemsize` bytes (both double-buffered) shrink tv from 4096 for wide models (bf16:
-    d 672 -> 4096, d 2304 -> 1024)."""
-    tv = 4096
-    while tv > 512 and _round_up(d, 8) * tv * (2 * 4 + 2 * itemsize) > VMEM_BUDGET:
+def _resident_vocab(d: int, itemsize: int, tokens: int, sub: int, vmem_bytes: int) -> int:
+    """The largest power-of-two backward vocabulary block (512 to 16384) whose resident blocks, w [d, tv]
+    (itemsize bytes) and the dw accumulator [d, tv] f32, both single-buffered, fit the scoped VMEM limit
+    (3/4 of the core's) beside the per-token blocks (~32 bytes a token x d: h, dh in and out, the dh
+    accumulator), the f32 temporaries of a [tokens, sub] sub-tile (~24 bytes a logit) and 2 MiB."""
+    d8 = _round_up(d, 8)
+    room = vmem_bytes * 3 // 4 - tokens * d8 * 32 - tokens * sub * 24 - 2 * 2**20
+    tv = 16384
+    while tv > 512 and d8 * tv * (4 + itemsize) > room:
         tv //= 2
-    return Tiles(bwd_vocab=tv)
+    return tv
 
 
-def fit_tiles(n: int, v: int, d: int, tiles: Tiles | None = None, itemsize: int = 2) -> Tiles:
-    """`tiles` (default: `default_tiles(d, itemsize)`) shrunk so no tile exceeds the (8, 128)-rounded
-    input. For Mosaic, bwd_tokens must be a multiple of 128 or cover all tokens."""
-    t = tiles or default_tiles(d, itemsize)
+def default_tiles(d: int, itemsize: int = 2, vmem_bytes: int = V5P_VMEM) -> Tiles:
+    """Tiles for width d: the backward's vocabulary block as large as VMEM allows (`_resident_vocab`;
+    bf16 on v5p: d 672 -> 8192, d 1280 -> 4096, d 1792 -> 2048, d 2304 -> 2048 with 128-token tiles),
+    its token tile 256, or 128 where that buys a larger block. Chips of < 64 MiB VMEM (v4) get smaller
+    forward token tiles."""
+    sub = 1024
+    tokens, tv = max(((t, _resident_vocab(d, itemsize, t, sub, vmem_bytes)) for t in (256, 128)),
+                     key=lambda pair: (pair[1], pair[0]))
+    small = vmem_bytes < V5P_VMEM
+    return Tiles(fwd_tokens=512 if small else 2048, bwd_tokens=tokens, bwd_vocab=tv, bwd_sub=min(sub, tv))
+
+
+def fit_tiles(n: int, v: int, d: int, tiles: Tiles | None = None, itemsize: int = 2,
+              vmem_bytes: int = V5P_VMEM) -> Tiles:
+    """`tiles` (default: `default_tiles(d, itemsize, vmem_bytes)`) shrunk so no tile exceeds the
+    (8, 128)-rounded input; bwd_vocab a multiple of bwd_sub. For Mosaic, bwd_tokens must be a multiple
+    of 128 or cover all tokens."""
+    t = tiles or default_tiles(d, itemsize, vmem_bytes)
     n8, v128 = _round_up(max(n, 1), 8), _round_up(max(v, 1), 128)
+    sub = min(t.bwd_sub, t.bwd_vocab, v128)
     return dataclasses.replace(t, fwd_tokens=min(t.fwd_tokens, n8), fwd_vocab=min(t.fwd_vocab, v128),
-                               bwd_tokens=min(t.bwd_tokens, n8), bwd_vocab=min(t.bwd_vocab, v128))
+                               bwd_tokens=min(t.bwd_tokens, n8),
+                               bwd_vocab=_round_up(min(t.bwd_vocab, v128), sub), bwd_sub=sub)
 
 
 def traffic_bytes(n: int, d: int, v: int, itemsize: int, tiles: Tiles | None = None) -> dict[str, int]:
     """HBM bytes each kernel moves, block re-reads included (padded sizes; per-token vectors as [n, 1]
     f32 padded to 128 lanes in the forward, packed [8, n] in the backward). forward: w once per token
-    tile, h once; backward: h once per vocabulary tile, dh f32 read and written once per vocabulary tile,
-    w read and dw written once."""
+    tile, h once; backward: h once per vocabulary block, dh f32 read and written once per vocabulary
+    block, w read and dw written once. Default tiles: v5p's."""
     t = fit_tiles(n, v, d, tiles, itemsize)
     nf, vf = _round_up(n, t.fwd_tokens), _round_up(v, t.fwd_vocab)
     nb, vb = _round_up(n, t.bwd_tokens), _round_up(v, t.bwd_vocab)
@@ -92,10 +112,9 @@ def traffic_bytes(n: int, d: int, v: int, itemsize: int, tiles: Tiles | None = N
     return {"forward": forward, "backward": backward}
 
 
-def _vmem_limit(interpret: bool) -> int | None:
-    if interpret:
-        return None
-    return int(min(max(2 * VMEM_BUDGET, 32 * 2**20), pltpu.get_tpu_info().vmem_capacity_bytes * 3 // 4))
+def _vmem_bytes(interpret: bool) -> int:
+    """The traced-for core's VMEM (V5P_VMEM when interpreting)."""
+    return V5P_VMEM if interpret else int(pltpu.get_tpu_info().vmem_capacity_bytes)
 
 
 def _pad(a: jax.Array, shape: tuple[int, ...]) -> jax.Array:
@@ -146,10 +165,11 @@ def token_stats(h: jax.Array, w: jax.Array, targets: jax.Array, *, tiles: Tiles 
     """(log-sum-exp [n] f32, target logit [n] f32) of logits = h [n, d] @ w [d, V] (same dtype; f32
     accumulation). targets [n] int; one outside [0, V) gives target logit 0."""
     (n, d), v = h.shape, w.shape[1]
-    t = fit_tiles(n, v, d, tiles, h.dtype.itemsize)
+    interpret = pallas_interpret(interpret)
+    vmem = _vmem_bytes(interpret)
+    t = fit_tiles(n, v, d, tiles, h.dtype.itemsize, vmem)
     tm, tv = t.fwd_tokens, t.fwd_vocab
     np_, vp = _round_up(n, tm), _round_up(v, tv)
-    interpret = pallas_interpret(interpret)
     vector = pl.BlockSpec((tm, 1), lambda i, j: (i, 0))
     cost = pl.CostEstimate(flops=2 * np_ * d * vp, transcendentals=np_ * vp,
                            bytes_accessed=traffic_bytes(n, d, v, h.dtype.itemsize, t)["forward"])
@@ -161,32 +181,38 @@ def token_stats(h: jax.Array, w: jax.Array, targets: jax.Array, *, tiles: Tiles 
         out_shape=[jax.ShapeDtypeStruct((np_, 1), jnp.float32)] * 2,
         scratch_shapes=[pltpu.VMEM((tm, 1), jnp.float32)] * 3,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
-                                             vmem_limit_bytes=_vmem_limit(interpret)),
+                                             vmem_limit_bytes=vmem * 3 // 4),
         cost_estimate=cost, interpret=interpret, name="fused_ce_forward",
     )(_pad(_targets_in_range(targets, v)[:, None], (np_, 1)), _pad(h, (np_, d)), _pad(w, (d, vp)))
     return lse[:n, 0], target_logit[:n, 0]
 
 
-def _grads_kernel(tile_ref, vectors_ref, h_ref, w_ref, *refs, tv, vocab, splits, accumulate):
+def _grads_kernel(tile_ref, vectors_ref, h_ref, w_ref, *refs, tv, sub, vocab, splits, accumulate):
     dh_prev_ref, dh_ref, dw_ref = refs if accumulate else (None,) + refs
     s, i = pl.program_id(0), pl.program_id(1)
-    h, w = h_ref[...], w_ref[...]
-    logits, cols = _masked_logits(h, w, (tile_ref[0] * splits + s) * tv, vocab)
+    h = h_ref[...]
     per_token = vectors_ref[...].T  # [8, tm] -> [tm, 8]: target, lse, a, c
     targets, lse, a, c = (per_token[:, k:k + 1] for k in range(4))
-    probs = jnp.exp(logits - lse)  # 0 in padded columns
-    dlogits = probs * a - jnp.where(cols == targets.astype(jnp.int32), c, 0.0)
-    dlogits = dlogits.astype(h.dtype)
-    dh = jax.lax.dot_general(  # [tm, tv] x [d, tv] -> [tm, d]
-        dlogits, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    dh_ref[0] = dh_prev_ref[0] + dh if accumulate else dh
+    targets = targets.astype(jnp.int32)
+    col0 = (tile_ref[0] * splits + s) * tv
 
     @pl.when(i == 0)
     def _init():
         dw_ref[...] = jnp.zeros(dw_ref.shape, jnp.float32)
 
-    dw_ref[...] += jax.lax.dot_general(  # [tm, d] x [tm, tv] -> [d, tv]
-        h, dlogits, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    def sub_tile(k, dh):  # columns [k * sub, (k + 1) * sub) of the resident w and dw blocks
+        start = pl.multiple_of(k * sub, sub)
+        w = w_ref[:, pl.ds(start, sub)]
+        logits, cols = _masked_logits(h, w, col0 + start, vocab)
+        probs = jnp.exp(logits - lse)  # 0 in padded columns
+        dlogits = (probs * a - jnp.where(cols == targets, c, 0.0)).astype(h.dtype)
+        dw_ref[:, pl.ds(start, sub)] += jax.lax.dot_general(  # [tm, d] x [tm, sub] -> [d, sub]
+            h, dlogits, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        return dh + jax.lax.dot_general(  # [tm, sub] x [d, sub] -> [tm, d]
+            dlogits, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+    dh = jax.lax.fori_loop(0, tv // sub, sub_tile, jnp.zeros((h.shape[0], h.shape[1]), jnp.float32))
+    dh_ref[0] = dh_prev_ref[0] + dh if accumulate else dh
 
 
 def token_grads(h: jax.Array, w: jax.Array, targets: jax.Array, lse: jax.Array, a: jax.Array, c: jax.Array,
@@ -195,38 +221,44 @@ def token_grads(h: jax.Array, w: jax.Array, targets: jax.Array, lse: jax.Array, 
     c * onehot(targets) per token (module docstring). h [n, d], w [d, V] same dtype; targets [n] int;
     lse, a, c [n] f32 (lse from `token_stats`, over the whole vocabulary when w is a shard of it).
 
-    One kernel per group of `splits` vocabulary tiles (grid: splits "parallel", token tiles "arbitrary"),
+    One kernel per group of `splits` vocabulary blocks (grid: splits "parallel", token tiles "arbitrary"),
     the first alone and the others in a `fori_loop`: it adds the group's terms to the dh partials
     [splits, n, d] f32 in place (the partials are an input aliased to the output; each block is read and
     written once per kernel) and writes the group's dw columns [d, splits * tv], each block accumulated
-    over all token tiles in VMEM, into dw.
+    over all token tiles in VMEM, into dw. The w and dw blocks stay resident over the token tiles
+    (single-buffered); each step walks them in sub-tiles of bwd_sub columns, so the f32 temporaries are
+    [tm, bwd_sub] however large the block (a larger block: fewer passes over h and dh).
     """
     (n, d), v = h.shape, w.shape[1]
-    t = fit_tiles(n, v, d, tiles, h.dtype.itemsize)
+    interpret = pallas_interpret(interpret)
+    vmem = _vmem_bytes(interpret)
+    t = fit_tiles(n, v, d, tiles, h.dtype.itemsize, vmem)
     tm, tv = t.bwd_tokens, t.bwd_vocab
     np_, vp = _round_up(n, tm), _round_up(v, tv)
     n_vocab_tiles = vp // tv
     splits = t.splits if t.splits > 0 and n_vocab_tiles % t.splits == 0 else 1
-    interpret = pallas_interpret(interpret)
     vectors = pl.BlockSpec((VECTORS, tm), lambda s, i, g: (0, i))
     rows = pl.BlockSpec((1, tm, d), lambda s, i, g: (s, i, 0))
+    once = pl.Buffered(1)  # the w and dw blocks change only with the split: no second buffer
     cost = pl.CostEstimate(flops=6 * np_ * d * tv * splits, transcendentals=np_ * tv * splits,
                            bytes_accessed=traffic_bytes(n, d, v, h.dtype.itemsize, t)["backward"]
                            * splits // n_vocab_tiles)
 
     def group(accumulate):
         return pl.pallas_call(
-            functools.partial(_grads_kernel, tv=tv, vocab=v, splits=splits, accumulate=accumulate),
+            functools.partial(_grads_kernel, tv=tv, sub=t.bwd_sub, vocab=v, splits=splits,
+                              accumulate=accumulate),
             grid_spec=pltpu.PrefetchScalarGridSpec(
                 num_scalar_prefetch=1, grid=(splits, np_ // tm),
                 in_specs=[vectors, pl.BlockSpec((tm, d), lambda s, i, g: (i, 0)),
-                          pl.BlockSpec((d, tv), lambda s, i, g: (0, g[0] * splits + s))] + [rows] * accumulate,
-                out_specs=[rows, pl.BlockSpec((d, tv), lambda s, i, g: (0, s))]),
+                          pl.BlockSpec((d, tv), lambda s, i, g: (0, g[0] * splits + s), pipeline_mode=once)]
+                + [rows] * accumulate,
+                out_specs=[rows, pl.BlockSpec((d, tv), lambda s, i, g: (0, s), pipeline_mode=once)]),
             out_shape=[jax.ShapeDtypeStruct((splits, np_, d), jnp.float32),
                        jax.ShapeDtypeStruct((d, splits * tv), jnp.float32)],
             input_output_aliases={4: 0} if accumulate else {},
             compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
-                                                 vmem_limit_bytes=_vmem_limit(interpret)),
+                                                 vmem_limit_bytes=vmem * 3 // 4),
             cost_estimate=cost, interpret=interpret, name="fused_ce_backward")
 
     packed = jnp.stack([_targets_in_range(targets, v).astype(jnp.float32), lse, a, c])  # ids < 2**24 exact
