@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from gcs_emulator import gcs_emulator  # noqa: F401 — the fixture
 from smelt_jax.cli import main
 from smelt_jax.platform import env, storage
 from tests.custom_run_helpers import TINY_SPEC, write_spec_file
@@ -153,8 +154,10 @@ def test_an_unreachable_gs_root_fails_fast_in_one_line(workdir, monkeypatch, cap
     assert sorted(p.name for p in workdir.iterdir()) == ["run.yaml"]
 
 
-def test_a_reachable_root_passes_the_probe(tmp_path):
+def test_a_reachable_root_passes_the_probe(tmp_path, gcs_emulator):
     storage.check_reachable(tmp_path)  # a local root: nothing to probe
+    storage.check_reachable("gs://test-bucket/runs")  # the emulator answers: the probe passes
+    storage.check_reachable("gs://test-bucket")
 
 
 def test_every_outside_value_is_read_through_the_door():
