@@ -224,7 +224,6 @@ def test_tables_on_a_full_disk_names_the_file(tmp_path, monkeypatch, capsys):
 
 
 # a symlink loop in the runs root; analyze into a folder it cannot write -----------------------------
-@pytest.mark.integration  # `smelt train` reaches its lock in ~15 s on a loaded core
 def test_train_in_a_runs_root_with_a_symlink_loop_is_one_line(tmp_path, capsys):
     """Before: an ELOOP traceback from the lock's mkdir."""
     import experiments
