@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from smelt_jax.kernels.experts import expert_ffn
-from smelt_jax.kernels.gmm import (
+from smelt_jax.kernels.gmm_tiles import (
     DEFAULT_TILING,
     ONE_BLOCK_LANES,
     effective_tiling,

@@ -171,7 +171,7 @@ def test_padding_and_tiling_do_not_change_results():
 
 
 def test_lane_tiles_are_chosen_to_pad_least():
-    from smelt_jax.kernels.gmm import effective_tiling, fit_lane_tile
+    from smelt_jax.kernels.gmm_tiles import effective_tiling, fit_lane_tile
 
     assert fit_lane_tile(300, 512) == 300  # fits one tile: the whole dimension
     assert fit_lane_tile(1024, 512) == 512

@@ -16,7 +16,8 @@ from collections.abc import Sequence
 import jax
 
 from smelt_jax.kernels.backend import pallas_interpret
-from smelt_jax.kernels.gmm import check_group_sizes, gmm
+from smelt_jax.kernels.gmm import gmm
+from smelt_jax.kernels.gmm_tiles import check_group_sizes
 from smelt_jax.kernels.swiglu import grouped_swiglu
 
 

@@ -20,16 +20,8 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-from smelt_jax.kernels.gmm import (
-    MatmulPlan,
-    _round_up,
-    check_dtype,
-    check_group_sizes,
-    effective_tiling,
-    grouped_matmul_call,
-    grouped_transposed_call,
-    pad_to,
-)
+from smelt_jax.kernels.gmm import MatmulPlan, grouped_matmul_call, grouped_transposed_call
+from smelt_jax.kernels.gmm_tiles import check_dtype, check_group_sizes, effective_tiling, pad_to, round_up
 from smelt_jax.kernels.backend import pallas_interpret
 
 
@@ -102,7 +94,7 @@ def grouped_swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, group_sizes
     if m == 0:
         return jnp.zeros((0, f), x.dtype)
     tm, tk, tn = effective_tiling(m, d, f, tiling)
-    mp, dp, fp = _round_up(m, tm), _round_up(d, tk), _round_up(f, tn)
+    mp, dp, fp = round_up(m, tm), round_up(d, tk), round_up(f, tn)
     dtype = jnp.promote_types(x.dtype, w_gate.dtype)
     h = _swiglu_aligned(pad_to(x.astype(dtype), (mp, dp)),
                         pad_to(w_gate.astype(dtype), (num_groups, dp, fp)),
