@@ -49,6 +49,19 @@ def test_a_layout_the_devices_cannot_form_is_refused_before_anything_is_written(
     assert _written(runs) == []
 
 
+def test_an_expert_axis_the_experts_do_not_split_over_is_refused_before_anything_is_written(
+        tmp_path, capsys, monkeypatch):
+    """expert=8 over 4 experts was refused by the expert exchange, after run.json was written."""
+    skip_training(monkeypatch)
+    path = write_spec_file(tmp_path / "run.yaml", {**TINY_SPEC, "parallelism": {"data": 1, "expert": 8}})
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    assert _train("--config", str(path), "--runs-dir", str(runs)) == 2
+    assert _written(runs) == []
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "4 experts" in err and "expert axis of size 8" in err, err
+
+
 @pytest.mark.parametrize("field, value", [("remat", "ABC"), ("data", 0)])
 def test_a_saved_run_json_that_no_longer_validates_names_the_field_and_the_repair(
         tmp_path, capsys, field, value):
