@@ -12,12 +12,13 @@ outside [0, V) pick nothing (target_logit 0): a vocabulary shard's caller passes
 `token_grads` (backward kernel) returns the gradients of sum_t sum_v dlogits[t, v] * logits[t, v] with
 dlogits = a_t * exp(logits - lse_t) - c_t * onehot(target_t) (cast to h's dtype for the matmuls, as the
 chunked loss does): for the cross-entropy with upstream gradient g, mask m and z-loss weight z,
-a = g m (1 + 2 z lse) and c = g m. Grid (splits "parallel", vocab tiles, token tiles): vocabulary tiles
-outer, so each [d, tv] block of dw is an output-resident float32 accumulator over all token tiles,
-written to HBM once; dh [n, d] float32 is accumulated over vocabulary tiles by reading and writing its
-token tile (an input aliased to the output). `splits` cuts the vocabulary tiles into that many
-independent halves with their own dh partials (summed after the kernel), so a megacore chip (v4, v5p)
-runs both TensorCores.
+a = g m (1 + 2 z lse) and c = g m. Vocabulary blocks outer (one kernel per group of `splits` blocks, a
+`fori_loop` over the groups), token tiles inner: each [d, tv] block of w and of dw stays resident in
+VMEM over all token tiles, so dw is accumulated in float32 on chip and written to HBM once; each step
+walks the block in [tm, bwd_sub] logits sub-tiles; dh [n, d] float32 is accumulated over vocabulary
+blocks by reading and writing its token tile (an input aliased to the output). `splits` cuts the
+vocabulary blocks into that many independent halves with their own dh partials (summed at the end), so
+a megacore chip (v4, v5p) runs both TensorCores.
 
 Shapes need not divide the tiles: tokens are padded (padded rows have a = c = 0 and give 0) and the
 vocabulary is padded with zero columns whose logits are masked to -inf. d is one whole block.

@@ -22,7 +22,7 @@ Two implementations, chosen by `kernels.backend.choose_loss_impl` from the platf
 - `fused` (TPU): the Pallas kernels of `kernels/fused_ce.py`. The forward kernel writes only each
   token's log-partition and target logit; the backward kernel recomputes the logits tile by tile and
   writes d hidden and d unembedding (each d-unembedding block accumulated over all tokens in VMEM, written
-  once). No [tokens, vocab] buffer exists in HBM (3.8 GB walked for the same shapes: docs/kernels.md).
+  once). No [tokens, vocab] buffer exists in HBM (2.5 GB walked for the same shapes: docs/kernels.md).
   Under a mesh of more than one device the kernels run per device in a `shard_map` (Mosaic kernels are
   not partitioned by GSPMD): tokens split over the `batch` axes, the vocabulary over the `vocab` axes
   (per-token statistics combined across them), d unembedding summed over the batch axes and
