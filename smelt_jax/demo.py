@@ -96,10 +96,10 @@ def endpoint_checks(results: pd.DataFrame, root: Path | None = None) -> list[str
 
 def fit_and_report(out_dir: Path, include_custom: bool = False) -> DemoReport:
     """Fit `out_dir/results.csv` per architecture in this process and write the tables
-    (scaling.pipeline.fit_suite_table, the folder's bootstrap protocol); every degenerate, unidentified or
+    (scaling.suite_fits.fit_suite_table, the folder's bootstrap protocol); every degenerate, unidentified or
     failed fit is reported in the returned report, never raised. Off-grid rows (config-file, --override)
     are left out, and counted in the report, unless `include_custom`."""
-    from smelt_jax.scaling.pipeline import fit_suite_table, off_grid_rows
+    from smelt_jax.scaling.suite_fits import fit_suite_table, off_grid_rows
 
     report = DemoReport()
     left_out = 0 if include_custom else off_grid_rows(out_dir)

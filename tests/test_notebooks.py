@@ -17,7 +17,7 @@ EXPECTED = {"budgets_and_matching", "training_curves", "scaling_fits", "mechanis
 def _suite_folder(folder: Path) -> None:
     """A suite folder as `smelt fit-suite` writes it, from synthetic endpoints of the paper's laws."""
     from smelt_jax.scaling.endpoints import export_table
-    from smelt_jax.scaling.pipeline import fit_suite_table
+    from smelt_jax.scaling.suite_fits import fit_suite_table
 
     rows = []
     for arch, law in (("baseline", paper.BASELINE_LAW), ("smelt", paper.SMELT_LAW)):

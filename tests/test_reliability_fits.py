@@ -10,7 +10,7 @@ import shutil
 import pytest
 
 from smelt_jax.cli import main
-from smelt_jax.scaling import endpoints, pipeline
+from smelt_jax.scaling import endpoints, pipeline, suite_fits
 from tests.test_scaling_endpoints import _paper_loss, _store
 
 
@@ -26,7 +26,7 @@ def fitted(tmp_path_factory):
     endpoints.export_table(_store(_paper_loss)).to_csv(folder / "results.csv", index=False, float_format="%.8g")
     (folder / "fit.json").write_text('{"bootstrap_draws": 4}')
     (folder / "README.md").write_text("notes kept across refits\n")
-    pipeline.fit_suite_table(folder)
+    suite_fits.fit_suite_table(folder)
     return folder
 
 
@@ -66,12 +66,12 @@ def test_a_failure_mid_write_leaves_the_old_folder_whole(suite, monkeypatch):
 
     def broken(*_args, **_kwargs):
         raise ValueError("disk went away")
-    monkeypatch.setattr(pipeline, "write_endpoint_tables", broken)
+    monkeypatch.setattr(suite_fits, "write_endpoint_tables", broken)
     with pytest.raises(ValueError, match="disk went away"):
-        pipeline.fit_suite_table(suite)
+        suite_fits.fit_suite_table(suite)
     assert _folder_bytes(suite) == before
     monkeypatch.undo()
-    paths = pipeline.fit_suite_table(suite)
+    paths = suite_fits.fit_suite_table(suite)
     assert all(path.is_file() and path.parent.name in ("suite", "baseline", "smelt") for path in paths)
     after = _folder_bytes(suite)
     assert after["README.md"] == before["README.md"] and after["points.csv"] != before["points.csv"]
@@ -106,6 +106,6 @@ def test_fits_all_skips_a_staging_folder_left_by_a_killed_fit_suite(tmp_path, mo
     fitted = []
     monkeypatch.setattr(pipeline, "write_paper_fits", lambda out: [])
     monkeypatch.setattr(pipeline, "write_chinchilla_fits", lambda out, draws: [])
-    monkeypatch.setattr(pipeline, "fit_suite_table", lambda folder: fitted.append(folder.name) or [])
-    pipeline.fits_all(tmp_path)
+    monkeypatch.setattr(suite_fits, "fit_suite_table", lambda folder: fitted.append(folder.name) or [])
+    suite_fits.fits_all(tmp_path)
     assert fitted == ["suite"]

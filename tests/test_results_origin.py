@@ -11,7 +11,7 @@ from smelt_jax.run_files.overrides import apply_overrides
 from smelt_jax.run_files.results import EndpointResult, append_result
 from smelt_jax.run_files.run_lookup import run_origin
 from smelt_jax.run_files.rundir import results_dir
-from smelt_jax.scaling.pipeline import off_grid_rows, read_suite_results
+from smelt_jax.scaling.suite_fits import off_grid_rows, read_suite_results
 from tests.custom_run_helpers import TINY_SPEC, tiny_run
 
 

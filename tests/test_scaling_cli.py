@@ -57,8 +57,8 @@ def test_fit_bootstrap_gain_and_tables(tmp_path, capsys, monkeypatch):
     (tmp_path / "pair.json").write_text(json.dumps({"reference": "baseline", "target": "smelt",
                                                     "compute": [1e21], "sparsity": [0.95]}))
     saved = {}  # every figure `smelt tables` writes, by file stem, to read its drawn range back
-    original_save = tables._save
-    monkeypatch.setattr(tables, "_save", lambda fig, out, stem: saved.setdefault(
+    original_save = tables.save_figure
+    monkeypatch.setattr(tables, "save_figure", lambda fig, out, stem: saved.setdefault(
         (Path(out).name, stem), fig) and original_save(fig, out, stem))
     assert main(["tables", str(tmp_path)]) == 0
     for name in ("ce_gain.md", "ce_gain.csv", "ce_gain.tex", "ce_gain.png", "ce_gain.pdf",

@@ -13,7 +13,7 @@ from smelt_jax.design import paper
 from smelt_jax.platform.errors import UsageError
 from smelt_jax.scaling import endpoints, fit
 from smelt_jax.scaling.laws import SmeltLaw, SmeltLawFixedExponents
-from smelt_jax.scaling.pipeline import fit_suite_table
+from smelt_jax.scaling.suite_fits import fit_suite_table
 
 TOKENS = (20e9, 40e9, 80e9, 160e9)
 

@@ -107,7 +107,7 @@ def _suite_folder(tmp_path, rows, draws=60):
 
 
 def test_the_suite_pipeline_runs_the_preregistered_test_and_keeps_the_repeat_out_of_the_fits(tmp_path):
-    from smelt_jax.scaling.pipeline import fit_suite_table
+    from smelt_jax.scaling.suite_fits import fit_suite_table
 
     pairs = [f"nano-d{w}-s95" for w in (24, 40, 64, 96)]
     base, better = _law(E=1.0, A=40.0, K=60.0, a=0.3, c=0.3), _law(E=1.0, A=30.0, K=60.0, a=0.3, c=0.3)
@@ -131,7 +131,7 @@ def test_the_suite_pipeline_runs_the_preregistered_test_and_keeps_the_repeat_out
 
 
 def test_partial_data_gives_a_verdict_that_does_not_count_and_no_ce_gain(tmp_path):
-    from smelt_jax.scaling.pipeline import fit_suite_table
+    from smelt_jax.scaling.suite_fits import fit_suite_table
 
     rows = _store_rows(_law(E=1.0, A=40.0, K=60.0, a=0.3, c=0.3), "baseline", ["nano-d24-s95"], widths=F[:1])
     folder = _suite_folder(tmp_path, rows)

@@ -1,6 +1,6 @@
 """`smelt fit`, `smelt gain`, `smelt tables`, `smelt fits-all`: scaling-law fits and compute-equivalent gains.
 
-Thin wrappers over smelt_jax.scaling.pipeline; JAX is imported only when a command runs.
+Thin wrappers over smelt_jax.scaling.pipeline and smelt_jax.scaling.suite_fits; JAX is imported only when a command runs.
 """
 
 from __future__ import annotations
@@ -93,9 +93,9 @@ def _fit_suite(args) -> int:
 
 @filesystem_errors
 def _fits_all(args) -> int:
-    from smelt_jax.scaling import pipeline
+    from smelt_jax.scaling import suite_fits
 
-    for path in pipeline.fits_all(args.fits_dir, chinchilla_draws=args.chinchilla_draws, only=args.only):
+    for path in suite_fits.fits_all(args.fits_dir, chinchilla_draws=args.chinchilla_draws, only=args.only):
         print(path)
     return 0
 
