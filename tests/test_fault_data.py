@@ -18,7 +18,8 @@ import experiments
 from smelt_jax.cli import main
 from smelt_jax.data.hf_tokenizer import BytesTokenizer
 from smelt_jax.data.prepare import PrepareConfig, prepare
-from smelt_jax.data.token_store import StoreError, TokenStore, check_store, open_array
+from smelt_jax.data.store_arrays import open_array
+from smelt_jax.data.token_store import StoreError, TokenStore, check_store
 
 
 @pytest.fixture(scope="module")

@@ -84,7 +84,8 @@ def test_a_chunk_lost_after_opening_reads_as_an_error_never_zeros(copy):
     _chunks(copy)[1].unlink()
     with pytest.raises(StoreError, match="1 of .* token chunks are missing"):
         TokenStore(copy)  # the open-time check sees it; a read through a view opened before must too
-    from smelt_jax.data.token_store import TokenArray, open_array
+    from smelt_jax.data.store_arrays import open_array
+    from smelt_jax.data.token_store import TokenArray
     raw = TokenArray(open_array(copy, "tokens", cache_bytes=0), str(copy))
     with pytest.raises(StoreError, match="cannot read tokens 65536..131071.*missing"):
         raw.read(1 << 16, 2 << 16)
@@ -103,7 +104,8 @@ def test_edited_store_digest_is_refused(copy, tmp_path, capsys):
 
 
 def test_truncated_chunk_is_refused_at_open_and_at_read(copy, tmp_path, capsys):
-    from smelt_jax.data.token_store import TokenArray, open_array
+    from smelt_jax.data.store_arrays import open_array
+    from smelt_jax.data.token_store import TokenArray
 
     path = _chunks(copy)[3]
     path.write_bytes(path.read_bytes()[:100])

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
+from smelt_jax.data import store_arrays
 from smelt_jax.data import token_store as tsd
 from smelt_jax.data.hf_tokenizer import BytesTokenizer
 from smelt_jax.data.inputs import PINNED_ARCHIVES, Archive, archive_table, fetch_inputs
@@ -119,7 +120,7 @@ def _source_digest(tokens: np.ndarray, lengths: np.ndarray, mine: np.ndarray) ->
         ids = np.flatnonzero(mine[:, column])
         body = (np.concatenate([tokens[offsets[i]:offsets[i + 1]] for i in ids]) if ids.size
                 else tokens[:0])
-        parts += [tsd.array_digest(body), tsd.array_digest(lengths[ids])]
+        parts += [store_arrays.array_digest(body), store_arrays.array_digest(lengths[ids])]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
@@ -239,10 +240,10 @@ def _write_store(folder: Path, config: BuildConfig, documents: list[tuple[str, s
     for (_, _, text, _), length in zip(documents, lengths):
         tokens[start:start + length] = tokenizer.encode_document(text)
         start += length
-    store = tsd.create_array(folder, "tokens", tokens.dtype, [tokens.size], layout="chunks")
+    store = store_arrays.create_array(folder, "tokens", tokens.dtype, [tokens.size], layout="chunks")
     store.write(tokens).result()
     arrays = {"tokens": {"dtype": tokens.dtype.str, "shape": [int(tokens.size)],
-                         "sha256": tsd.array_digest(tokens), "chunks": tsd.chunk_record(folder)}}
+                         "sha256": store_arrays.array_digest(tokens), "chunks": tsd.chunk_record(folder)}}
     duplicates = {k: sources_meta[name].pop("duplicates_dropped") for k, name in enumerate(names)}
     index, sources = tsd.write_index(folder, lengths, codes, val, names, duplicates)
     for k, entry in enumerate(sources):

@@ -14,6 +14,7 @@ from collections import Counter
 from collections.abc import Iterator
 
 from smelt_jax.data import input_checks
+from smelt_jax.data import store_arrays
 from smelt_jax.data import token_store as tsd
 from smelt_jax.platform import storage as gcs
 from smelt_jax.platform.errors import SmeltError, UsageError
@@ -31,11 +32,11 @@ class PrepareConfig:
     default_source: str | None = None
     val_fraction: float = 0.01
     dedup: bool = True
-    layout: str = "chunks"  # of the token array: "chunks" or "sharded" (see token_store._zarr_spec)
+    layout: str = "chunks"  # of the token array: "chunks" or "sharded" (see store_arrays._zarr_spec)
 
     def __post_init__(self) -> None:
-        if self.layout not in tsd.LAYOUTS:
-            raise UsageError(f"layout must be one of {tsd.LAYOUTS}, got {self.layout!r}")
+        if self.layout not in store_arrays.LAYOUTS:
+            raise UsageError(f"layout must be one of {store_arrays.LAYOUTS}, got {self.layout!r}")
         if not 0 < self.val_fraction < 1:
             raise UsageError(f"val_fraction must lie in (0, 1), got {self.val_fraction}")
 

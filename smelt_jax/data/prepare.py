@@ -48,6 +48,7 @@ from smelt_jax.data.input_shards import (
     extract,
     read_records,
 )
+from smelt_jax.data import store_arrays
 from smelt_jax.data import token_store as tsd
 from smelt_jax.platform.errors import UsageError
 
@@ -166,11 +167,11 @@ def _shard_task(url: str) -> dict:
 def _assemble_task(args: tuple) -> dict[int, str]:
     """Write whole token shards [first, last) of the final array; their digests by shard index."""
     root, first, last, total, dtype, part_urls, doc_part, doc_src, doc_out, doc_len = args
-    store = tsd.open_array(root, "tokens", write=True)
+    store = store_arrays.open_array(root, "tokens", write=True)
     cache: dict[int, np.ndarray] = {}
     digests = {}
     for shard in range(first, last):
-        a, b = shard * tsd.TOKENS_SHARD, min((shard + 1) * tsd.TOKENS_SHARD, total)
+        a, b = shard * store_arrays.TOKENS_SHARD, min((shard + 1) * store_arrays.TOKENS_SHARD, total)
         pos = np.arange(a, b, dtype=np.int64)
         doc = np.searchsorted(doc_out, pos, side="right") - 1
         src = doc_src[doc] + (pos - doc_out[doc])
@@ -184,7 +185,7 @@ def _assemble_task(args: tuple) -> dict[int, str]:
             take = part == p
             buf[take] = cache[int(p)][src[take]]
         store[a:b].write(buf).result()
-        digests[shard] = tsd.block_digest(buf)
+        digests[shard] = store_arrays.block_digest(buf)
     return digests
 
 
@@ -237,10 +238,10 @@ def _swap_in(stage: str, root: str) -> None:
     `root`. The old manifest goes first and the new one comes last, so a reader sees the old store, no
     store, or the new one. Local: renames. gs://: the staged objects are copied (a bucket has no rename:
     one read and one write per object) and the staging prefix deleted."""
-    names = (tsd.ARRAYS_DIR, tsd.TOKENIZER_NAME)
+    names = (store_arrays.ARRAYS_DIR, tsd.TOKENIZER_NAME)
     gcs.delete(gcs.join(root, tsd.MANIFEST_NAME))
     if gcs.is_gcs(root):
-        gcs.delete_tree(gcs.join(root, tsd.ARRAYS_DIR))
+        gcs.delete_tree(gcs.join(root, store_arrays.ARRAYS_DIR))
         gcs.delete(gcs.join(root, tsd.TOKENIZER_NAME))
         prefix = stage.rstrip("/") + "/"
         for url in gcs.list_files(stage):
@@ -387,8 +388,8 @@ def prepare(inputs: list[str], out, tokenizer, config: PrepareConfig | None = No
 
     stage = gcs.join(root, STAGING_DIR)  # the new store is built here and swapped in when complete
     gcs.delete_tree(stage)
-    tsd.create_array(stage, "tokens", dtype, [total], layout=config.layout)
-    n_shards = -(-total // tsd.TOKENS_SHARD)
+    store_arrays.create_array(stage, "tokens", dtype, [total], layout=config.layout)
+    n_shards = -(-total // store_arrays.TOKENS_SHARD)
     part_urls = [_part_url(root, u, "part.npz") for u, _, _ in metas]
     per = -(-n_shards // max(1, min(workers, n_shards)))
     tasks = [(stage, s, min(s + per, n_shards), total, dtype, part_urls, doc_part, doc_src, offsets[:-1],
@@ -402,7 +403,7 @@ def prepare(inputs: list[str], out, tokenizer, config: PrepareConfig | None = No
             for part in pool.imap_unordered(_assemble_task, tasks):
                 digests.update(part)
     arrays = {"tokens": {"dtype": dtype.str, "shape": [total],
-                         "sha256": tsd.combine_digests(dtype, [total], [digests[i] for i in range(n_shards)]),
+                         "sha256": store_arrays.combine_digests(dtype, [total], [digests[i] for i in range(n_shards)]),
                          "chunks": tsd.chunk_record(stage)}}
     index, sources = tsd.write_index(stage, lengths, codes, val, names, duplicates)
     arrays.update(index)
