@@ -123,20 +123,20 @@ def test_tables_draws_a_constant_loss_fit_as_degenerate(tmp_path, monkeypatch, c
     them): the figure's title names a degenerate fit. Before: no title at all."""
     import json
 
-    from smelt_jax.scaling import tables
+    from smelt_jax.scaling import figures
 
     fit = tmp_path / "fit"
     fit.mkdir()
     (fit / "coefficients.json").write_text(json.dumps(CONSTANT_FIT))
     _constant_table(fit / "points.csv")
     titles = []
-    original = tables._mark_problems
+    original = figures._mark_problems
 
     def spy(ax, problems):
         original(ax, problems)
         titles.append(ax.get_title())
-    monkeypatch.setattr(tables, "_mark_problems", spy)
-    monkeypatch.setattr(tables, "save_figure", lambda fig, out_dir, stem: [])  # the title is the point
+    monkeypatch.setattr(figures, "_mark_problems", spy)
+    monkeypatch.setattr(figures, "save_figure", lambda fig, out_dir, stem: [])  # the title is the point
     assert main(["tables", str(fit)]) == 0
     assert titles == ["degenerate fit: not a measurement"], titles
 

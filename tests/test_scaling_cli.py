@@ -10,7 +10,7 @@ from scaling_synthetic import paper_pair_table
 
 from smelt_jax.design import paper
 from smelt_jax.cli import main
-from smelt_jax.scaling import io, pipeline, tables
+from smelt_jax.scaling import figures, io, pipeline
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +57,8 @@ def test_fit_bootstrap_gain_and_tables(tmp_path, capsys, monkeypatch):
     (tmp_path / "pair.json").write_text(json.dumps({"reference": "baseline", "target": "smelt",
                                                     "compute": [1e21], "sparsity": [0.95]}))
     saved = {}  # every figure `smelt tables` writes, by file stem, to read its drawn range back
-    original_save = tables.save_figure
-    monkeypatch.setattr(tables, "save_figure", lambda fig, out, stem: saved.setdefault(
+    original_save = figures.save_figure
+    monkeypatch.setattr(figures, "save_figure", lambda fig, out, stem: saved.setdefault(
         (Path(out).name, stem), fig) and original_save(fig, out, stem))
     assert main(["tables", str(tmp_path)]) == 0
     for name in ("ce_gain.md", "ce_gain.csv", "ce_gain.tex", "ce_gain.png", "ce_gain.pdf",
@@ -74,7 +74,7 @@ def test_fit_bootstrap_gain_and_tables(tmp_path, capsys, monkeypatch):
         for line in solid:
             x = np.asarray(line.get_xdata(), float)
             assert (x.min(), x.max()) == pytest.approx(data), key
-        assert ax.get_xlim() == pytest.approx((data[0] / tables.AXIS_MARGIN, data[1] * tables.AXIS_MARGIN)), key
+        assert ax.get_xlim() == pytest.approx((data[0] / figures.AXIS_MARGIN, data[1] * figures.AXIS_MARGIN)), key
     assert {line.get_label().split("=")[-1] for line in saved[("smelt", "loss_vs_compute")].axes[0].get_lines()
             if not line.get_label().startswith("_")} == {"0.85", "0.95", "0.97"}
 

@@ -9,7 +9,7 @@ import pytest
 from scaling_synthetic import paper_pair_table
 
 from smelt_jax.design import paper
-from smelt_jax.scaling import health, tables
+from smelt_jax.scaling import figures, health
 from smelt_jax.scaling.laws import replace
 
 matplotlib.use("Agg")
@@ -45,24 +45,24 @@ def _problems(law, arch="smelt"):
 
 def test_frontiers_span_the_data_range_and_extrapolate_dashed():
     points = paper_pair_table(noise=0.0)
-    fig = tables.loss_vs_compute_plot(LAWS, points, compute_range=RANGE, compute=[1e22])
+    fig = figures.loss_vs_compute_plot(LAWS, points, compute_range=RANGE, compute=[1e22])
     ax = fig.axes[0]
     _assert_solid_inside_dashed_outside(ax, RANGE, n_solid=6)   # 2 laws x the points' 3 sparsities
-    assert ax.get_xlim() == pytest.approx((RANGE[0] / tables.AXIS_MARGIN, 1e22 * tables.AXIS_MARGIN))
+    assert ax.get_xlim() == pytest.approx((RANGE[0] / figures.AXIS_MARGIN, 1e22 * figures.AXIS_MARGIN))
     assert {line.get_label() for line in _curves(ax)[0]} == {
         f"{arch} S={s}" for arch in LAWS for s in ("0.85", "0.95", "0.97")}
     assert ax.get_title() == ""  # a healthy fit carries no warning
 
 
 def test_legend_shows_the_point_markers_and_the_extrapolation():
-    fig = tables.loss_vs_compute_plot(LAWS, paper_pair_table(noise=0.0), compute_range=RANGE)
+    fig = figures.loss_vs_compute_plot(LAWS, paper_pair_table(noise=0.0), compute_range=RANGE)
     legend = fig.axes[0].get_legend()
     by_label = dict(zip([t.get_text() for t in legend.get_texts()], legend.legend_handles))
     assert by_label["baseline endpoints"].get_marker() == "o"
     assert by_label["smelt endpoints"].get_marker() == "x"
     assert by_label["baseline endpoints"].get_linestyle() == "None"
-    assert by_label[tables.EXTRAPOLATED].get_linestyle() == "--"
-    assert any(label.startswith(tables.DATA_RANGE) for label in by_label)
+    assert by_label[figures.EXTRAPOLATED].get_linestyle() == "--"
+    assert any(label.startswith(figures.DATA_RANGE) for label in by_label)
     # the scatter markers drawn are the legend's
     markers = {c.get_label().split()[0].lstrip("_"): c for c in fig.axes[0].collections
                if "endpoints" in c.get_label()}
@@ -72,7 +72,7 @@ def test_legend_shows_the_point_markers_and_the_extrapolation():
 def test_without_a_given_range_the_points_set_range_and_sparsities():
     points = paper_pair_table(noise=0.0)
     points = points[points["S"] != 0.97].assign(S=lambda t: t["S"] + np.where(t["arch"] == "smelt", 0.004, 0))
-    fig = tables.loss_vs_compute_plot(LAWS, points)
+    fig = figures.loss_vs_compute_plot(LAWS, points)
     compute = points["F"] * points["D"]
     _assert_solid_inside_dashed_outside(fig.axes[0], (compute.min(), compute.max()), n_solid=4)
     assert {line.get_label().split("=")[1] for line in _curves(fig.axes[0])[0]} == {"0.85", "0.95"}
@@ -80,10 +80,10 @@ def test_without_a_given_range_the_points_set_range_and_sparsities():
 
 def test_point_sparsities_by_label_or_by_gaps():
     table = pd.DataFrame({"S": [0.843, 0.846, 0.951, 0.949, 0.0]})
-    assert tables.point_sparsities(table) == [0.0, 0.84, 0.95]
+    assert figures.point_sparsities(table) == [0.0, 0.84, 0.95]
     labelled = table.assign(sparsity_label=["s85", "s85", "s95", "s95", "s0"])
-    assert tables.point_sparsities(labelled) == [0.0, 0.84, 0.95]
-    assert tables.point_sparsities(pd.DataFrame({"S": [0.5, 0.51, 0.515, 0.6]})) == [0.51, 0.6]
+    assert figures.point_sparsities(labelled) == [0.0, 0.84, 0.95]
+    assert figures.point_sparsities(pd.DataFrame({"S": [0.5, 0.51, 0.515, 0.6]})) == [0.51, 0.6]
 
 
 def test_a_degenerate_fit_is_named_on_both_figures():
@@ -91,8 +91,8 @@ def test_a_degenerate_fit_is_named_on_both_figures():
     problems = _problems(degenerate)
     assert problems  # health.assess_fit finds it
     laws = {"baseline": paper.BASELINE_LAW, "smelt": degenerate}
-    for fig in (tables.loss_vs_compute_plot(laws, sparsities=[0.95], compute_range=RANGE, problems=problems),
-                tables.ce_gain_plot(paper.BASELINE_LAW, degenerate, [0.95], compute_range=RANGE,
+    for fig in (figures.loss_vs_compute_plot(laws, sparsities=[0.95], compute_range=RANGE, problems=problems),
+                figures.ce_gain_plot(paper.BASELINE_LAW, degenerate, [0.95], compute_range=RANGE,
                                     problems=problems)):
         ax = fig.axes[0]
         assert ax.get_title().startswith("degenerate fit")
@@ -102,12 +102,12 @@ def test_a_degenerate_fit_is_named_on_both_figures():
 
 
 def test_ce_gain_solid_over_the_data_range_with_the_paper_range():
-    fig = tables.ce_gain_plot(paper.BASELINE_LAW, paper.SMELT_LAW, paper.SPARSITIES, compute=paper.COMPUTES,
+    fig = figures.ce_gain_plot(paper.BASELINE_LAW, paper.SMELT_LAW, paper.SPARSITIES, compute=paper.COMPUTES,
                               compute_range=paper.COMPUTE_RANGE)
     ax = fig.axes[0]
     _assert_solid_inside_dashed_outside(ax, paper.COMPUTE_RANGE, n_solid=3)
-    assert ax.get_xlim() == pytest.approx((paper.COMPUTE_RANGE[0] / tables.AXIS_MARGIN,
-                                           1e22 * tables.AXIS_MARGIN))
+    assert ax.get_xlim() == pytest.approx((paper.COMPUTE_RANGE[0] / figures.AXIS_MARGIN,
+                                           1e22 * figures.AXIS_MARGIN))
     # the solid curve at 1e21 is the tabulated gain (15.7% at S 0.95)
     solid = {line.get_label(): line for line in _curves(ax)[0]}["S=0.95"]
     x, y = np.asarray(solid.get_xdata(), float), np.asarray(solid.get_ydata(), float)
@@ -115,14 +115,14 @@ def test_ce_gain_solid_over_the_data_range_with_the_paper_range():
 
 
 def test_y_axis_clipped_only_when_the_extrapolation_would_flatten_the_data_range():
-    plt = tables._pyplot()
+    plt = figures._pyplot()
     fig, ax = plt.subplots()
     ax.plot([1, 2, 3], [0, 10, -1e4])
-    tables._clip_to_range(ax, [np.array([0.0, 10.0, -1e4])], [np.array([0.0, 10.0])])
+    figures._clip_to_range(ax, [np.array([0.0, 10.0, -1e4])], [np.array([0.0, 10.0])])
     assert ax.get_ylim() == pytest.approx((-1.0, 11.0))
     assert any("clipped" in t.get_text() and "-1e+04" in t.get_text() for t in ax.texts)
     fig, ax = plt.subplots()
     ax.plot([1, 2, 3], [0, 10, 20])
     before = ax.get_ylim()
-    tables._clip_to_range(ax, [np.array([0.0, 10.0, 20.0])], [np.array([0.0, 10.0])])
+    figures._clip_to_range(ax, [np.array([0.0, 10.0, 20.0])], [np.array([0.0, 10.0])])
     assert ax.get_ylim() == before and not ax.texts

@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 
 from smelt_jax.design import paper
-from smelt_jax.scaling import ladder, tables
+from smelt_jax.scaling import figures, ladder, tables
 
 # The registered prediction points: each ladder pair's 4M and 10M endpoints (the tokens nano's branches end at).
 POINT_WIDTHS, POINT_HORIZONS = (96, 128, 160), (4e6, 10e6)
@@ -169,7 +169,7 @@ def gap_figure(folder: Path, nano: pd.DataFrame, nano2_results: pd.DataFrame, re
     far.set_title("Up to the paper's scale (symlog): where each curve crosses zero", fontsize=9)
     far.legend(fontsize=7)
     fig.tight_layout()
-    return tables.save_figure(fig, folder, "gap_vs_compute")
+    return figures.save_figure(fig, folder, "gap_vs_compute")
 
 
 def _inside_dashed(ax, x, y, lo, hi, color, label):

@@ -18,6 +18,7 @@ from smelt_jax.design import paper
 from smelt_jax.platform.errors import MissingInput, UsageError
 from smelt_jax.platform.storage import naming
 from smelt_jax.scaling import (
+    figures,
     bootstrap,
     fit,
     gains,
@@ -148,7 +149,7 @@ def write_fit_tables(fit_dir) -> list[Path]:
     if isinstance(coefficients["_law"], SmeltLaw):
         points_path = fit_dir / "points.csv"
         if points_path.exists():   # a figure only where there are fitted points to show
-            paths += tables.loss_vs_compute_figure(
+            paths += figures.loss_vs_compute_figure(
                 fit_dir, {coefficients.get("arch") or "fit": coefficients["_law"]}, pd.read_csv(points_path),
                 compute_range=coefficients.get("compute_range"),
                 problems=health.assess_fit(coefficients, losses=io.fit_losses(coefficients)))
@@ -171,10 +172,10 @@ def write_pair_tables(pair_dir, reference="baseline", target="smelt", computes=p
     data_range = common_range((ref, tgt)) or (gains.fitted_compute_range(points["F"], points["D"])
                                                 if points is not None else None)
     problems = [p for fit in (ref, tgt) for p in health.assess_fit(fit, losses=io.fit_losses(fit))]
-    paths += tables.ce_gain_figure(pair_dir, ref["_law"], tgt["_law"], sparsities, compute=computes,
+    paths += figures.ce_gain_figure(pair_dir, ref["_law"], tgt["_law"], sparsities, compute=computes,
                                    reference_draws=ref_draws, target_draws=tgt_draws,
                                    compute_range=data_range, problems=problems)
-    paths += tables.loss_vs_compute_figure(pair_dir, {reference: ref["_law"], target: tgt["_law"]},
+    paths += figures.loss_vs_compute_figure(pair_dir, {reference: ref["_law"], target: tgt["_law"]},
                                            points=points, sparsities=sparsities, compute=computes,
                                            compute_range=data_range, problems=problems)
     return paths
@@ -279,4 +280,4 @@ def gain_grid(points: pd.DataFrame) -> tuple[list[float], list[float]]:
     log_low, log_high = math.log10(float(compute.min())), math.log10(float(compute.max()))
     inside = [_one_figure(10 ** (log_low + share * (log_high - log_low))) for share in (0.2, 0.5, 0.8)]
     computes = sorted({*inside, _one_figure(10 ** (log_high + 1))})
-    return computes, tables.point_sparsities(points)
+    return computes, figures.point_sparsities(points)

@@ -18,7 +18,7 @@ import pandas as pd
 
 from smelt_jax.design import paper
 from smelt_jax.platform.errors import MissingInput, UsageError
-from smelt_jax.scaling import endpoints, io, ladder_report, nano2_report, pipeline, preregistered, tables, written
+from smelt_jax.scaling import endpoints, figures, io, ladder_report, nano2_report, pipeline, preregistered, tables, written
 from smelt_jax.scaling.pipeline import fit_to_dir, gain_grid, read_input, write_json, write_tables
 
 # A suite folder's fit protocol (`fits/<suite>/fit.json`; these defaults where it has none). "analysis":
@@ -190,7 +190,7 @@ def _preregistered_into(folder: Path, results: pd.DataFrame, protocol: dict) -> 
                                     preregistered.seed_noise(fitted_rows, repeats, protocol["noise_pairs"]))
     problems = [f"{row.arch} does not count: {reason}" for row in rows.itertuples() if not row.counts
                 for reason in row.failed.split("; ")]
-    paths += tables.fd_loss_vs_compute_figure(folder, {a: f["law"] for a, f in fits.items()}, points, problems)
+    paths += figures.fd_loss_vs_compute_figure(folder, {a: f["law"] for a, f in fits.items()}, points, problems)
     readme = folder / "README.md"
     overall = counts[counts["sparsity_label"] == "all"].iloc[0]
     readme.write_text(_preregistered_readme(rows, overall, len(results), protocol))
