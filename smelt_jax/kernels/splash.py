@@ -1,5 +1,6 @@
 """Causal, segment-aware block-sparse attention on TPU: JAX's Pallas splash attention.
 
+    splash_attention_head_major(q [b, heads, s, hd], k, v [b, kv_heads, s, hd], segment_ids [b, s]) -> [b, heads, s, hd]
     splash_attention(q [b, s, heads, hd], k, v [b, s, kv_heads, hd], segment_ids [b, s]) -> [b, s, heads, hd]
 
 The same function as `model.attention.dot_product_attention` with the segment-causal mask of a full
@@ -8,7 +9,13 @@ test oracle (tests/test_attention_splash.py). Which one runs is decided by
 `kernels.backend.choose_attention_backend`.
 
 - GQA: splash's multi-head kernel takes k and v with fewer heads ([kv_heads, s, hd]) and maps query head
-  h to KV head h // (heads / kv_heads), the model's grouping (query heads of a group are adjacent).
+  h to KV head h // (heads / kv_heads) in its index maps, the model's grouping (query heads of a group
+  are adjacent): K/V are read once per group, never copied per query head, and the backward kernel
+  accumulates dk/dv of a KV head over its group's query heads in VMEM (its grid runs a group's heads
+  consecutively) and writes them once ([kv_heads, s, hd]): no sum over the group outside it.
+- The layer calls the head-major form (`splash_attention_head_major`, the kernel's own layout: its
+  projections write [b, heads, s, hd], so no transposes around the kernel); `splash_attention` is the
+  same in the sequence-major layout of the reference (tests).
 - The static mask is causal, so the kernel skips every (query block, key block) pair above the diagonal:
   of the nb x nb pairs per head (nb = s / block) it runs nb (nb + 1) / 2. Segment ids are a dynamic
   mask applied inside the blocks it runs: packed documents skip nothing more (`kernel_flops`).
@@ -70,36 +77,36 @@ def _kernel(heads: int, seq_len: int, interpret: bool):
                                   interpret=interpret)
 
 
-def _local_attention(q, k, v, segment_ids, *, interpret: bool):
-    """Per device: q [b, s, h, hd], k/v [b, s, kv, hd] -> [b, s, h, hd] (q's dtype)."""
-    b, s, heads, hd = q.shape
+def _local_attention(q, k, v, segment_ids, *, interpret: bool, query_scaled: bool):
+    """Per device, head-major: q [b, h, s, hd], k/v [b, kv, s, hd] -> [b, h, s, hd] (q's dtype)."""
+    b, heads, s, hd = q.shape
     kernel = _kernel(heads, s, interpret)
-    q = (q.astype(jnp.float32) * hd ** -0.5).astype(q.dtype)  # splash does not scale the scores
+    if not query_scaled:  # splash does not scale the scores
+        q = (q.astype(jnp.float32) * hd ** -0.5).astype(q.dtype)
 
-    def one_row(q, k, v, seg):  # [s, h, hd] -> kernel layout [h, s, hd]
-        out = kernel(q.swapaxes(0, 1), k.swapaxes(0, 1), v.swapaxes(0, 1),
-                     segment_ids=splash.SegmentIds(q=seg, kv=seg))
-        return out.swapaxes(0, 1)
+    def one_row(q, k, v, seg):  # the kernel's layout [h, s, hd]; k, v keep their kv heads (GQA)
+        return kernel(q, k, v, segment_ids=splash.SegmentIds(q=seg, kv=seg))
 
     return jax.vmap(one_row)(q, k, v, segment_ids.astype(jnp.int32))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _attention_with_named_residuals(q, k, v, segment_ids, interpret: bool):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _attention_with_named_residuals(q, k, v, segment_ids, interpret: bool, query_scaled: bool):
     """`_local_attention` whose backward residuals (what the kernel's forward saves: q, k, v, the output
     and its logsumexp) are tagged `checkpoint_name(., RESIDUALS_NAME)`, so a remat policy can keep them
     (`model.layer.REMAT_POLICIES`) instead of running the forward kernel again in the backward pass:
     `checkpoint_dots` alone sees a Pallas call, not a dot, and recomputes it."""
-    return _local_attention(q, k, v, segment_ids, interpret=interpret)
+    return _local_attention(q, k, v, segment_ids, interpret=interpret, query_scaled=query_scaled)
 
 
-def _named_fwd(q, k, v, segment_ids, interpret):
-    out, vjp = jax.vjp(lambda q, k, v: _local_attention(q, k, v, segment_ids, interpret=interpret), q, k, v)
+def _named_fwd(q, k, v, segment_ids, interpret, query_scaled):
+    out, vjp = jax.vjp(lambda q, k, v: _local_attention(q, k, v, segment_ids, interpret=interpret,
+                                                        query_scaled=query_scaled), q, k, v)
     return out, (jax.tree.map(lambda r: checkpoint_name(r, RESIDUALS_NAME), vjp), segment_ids)
 
 
-def _named_bwd(interpret, residuals, grad_out):
-    del interpret
+def _named_bwd(interpret, query_scaled, residuals, grad_out):
+    del interpret, query_scaled
     vjp, segment_ids = residuals
     return (*vjp(grad_out), np.zeros(segment_ids.shape, jax.dtypes.float0))
 
@@ -107,25 +114,37 @@ def _named_bwd(interpret, residuals, grad_out):
 _attention_with_named_residuals.defvjp(_named_fwd, _named_bwd)
 
 
-def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *,
-                     interpret: bool | None = None) -> jax.Array:
-    """Segment-causal GQA attention: q [b, s, heads, hd], k and v [b, s, kv_heads, hd] (heads a multiple
-    of kv_heads), segment_ids [b, s] (0 = padding: it attends to padding only) -> [b, s, heads, hd] in
-    q's dtype. `interpret` None = Mosaic when tracing for a TPU (an ahead-of-time compile included),
-    Pallas interpret mode elsewhere (`kernels.backend.pallas_interpret`)."""
+def splash_attention_head_major(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *,
+                                query_scaled: bool = False, interpret: bool | None = None) -> jax.Array:
+    """Segment-causal GQA attention in the kernel's layout: q [b, heads, s, hd], k and v [b, kv_heads,
+    s, hd] (heads a multiple of kv_heads; query head h reads KV head h // (heads / kv_heads) through the
+    kernel's index maps, and its dk/dv are accumulated per KV head inside the backward kernel: no K/V
+    copy per query head, no sum over the group), segment_ids [b, s] (0 = padding: it attends to padding
+    only) -> [b, heads, s, hd] in q's dtype. `query_scaled`: q already carries the hd^-0.5 factor (the
+    layer folds it into its RoPE). `interpret` None = Mosaic when tracing for a TPU (an ahead-of-time
+    compile included), Pallas interpret mode elsewhere (`kernels.backend.pallas_interpret`)."""
     interpret = pallas_interpret(interpret)
     # The output is named too: the next matmul's backward reads it (else the forward kernel reruns for it).
     body = lambda q, k, v, seg: checkpoint_name(  # noqa: E731
-        _attention_with_named_residuals(q, k, v, seg, interpret), RESIDUALS_NAME)
+        _attention_with_named_residuals(q, k, v, seg, interpret, query_scaled), RESIDUALS_NAME)
     mesh = sharding.current_mesh()
     if mesh is None or mesh.size == 1:
         return body(q, k, v, segment_ids)
     batch = _split(mesh, "batch", (q.shape[0],))
-    heads = _split(mesh, "act_heads", (q.shape[2], k.shape[2]))
-    qkv_spec, seg_spec = P(batch, None, heads, None), P(batch, None)
+    heads = _split(mesh, "act_heads", (q.shape[1], k.shape[1]))
+    qkv_spec, seg_spec = P(batch, heads, None, None), P(batch, None)
     # Pallas kernels declare outputs without varying-manual-axes types, which check_vma rejects.
     return jax.shard_map(body, mesh=mesh, in_specs=(qkv_spec, qkv_spec, qkv_spec, seg_spec),
                          out_specs=qkv_spec, check_vma=False)(q, k, v, segment_ids)
+
+
+def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *,
+                     interpret: bool | None = None) -> jax.Array:
+    """`splash_attention_head_major` in the sequence-major layout: q [b, s, heads, hd], k and v
+    [b, s, kv_heads, hd] -> [b, s, heads, hd] (q unscaled)."""
+    out = splash_attention_head_major(*(x.swapaxes(1, 2) for x in (q, k, v)), segment_ids,
+                                      interpret=interpret)
+    return out.swapaxes(1, 2)
 
 
 def _split(mesh, name: str, sizes: tuple[int, ...]) -> tuple[str, ...] | None:

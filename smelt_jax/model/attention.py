@@ -23,11 +23,12 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from smelt_jax.design.config import ModelConfig
 from smelt_jax.kernels.backend import CAUSAL_BLOCK, choose_attention_backend
-from smelt_jax.kernels.splash import splash_attention
+from smelt_jax.kernels.splash import splash_attention_head_major
 from smelt_jax.model.rope import apply_rope
 from smelt_jax.parallel.sharding import constrain, current_mesh, param
 
@@ -157,6 +158,30 @@ def blocked_attended_keys(seq_len: int, block: int) -> float:
                for lo in range(0, seq_len, block)) / seq_len
 
 
+def rotate_half_matrix(head_dim: int) -> np.ndarray:
+    """R [hd, hd] with x @ R = concat(-x[hd/2:], x[:hd/2]) (RoPE's rotate-half; model/rope.py): a signed
+    permutation, so x @ R in any dtype is exact."""
+    half = head_dim // 2
+    r = np.zeros((head_dim, head_dim), np.float32)
+    r[half:, :half] = -np.eye(half)
+    r[:half, half:] = np.eye(half)
+    return r
+
+
+def rope_head_major(x: jax.Array, cos: jax.Array, sin: jax.Array, scale: float = 1.0) -> jax.Array:
+    """`rope.apply_rope` in the head-major layout, times `scale`: x [b, heads, s, hd], cos/sin
+    [b, s, hd/2] -> [b, heads, s, hd] in x's dtype.
+
+    Written at full width, x cos' + (x R) sin' with cos' = [cos, cos], sin' = [sin, sin] (float32) and R
+    the exact rotate-half matrix, instead of on the two halves: at head_dim 72 a half is 36 lanes, which
+    a TPU pads to 128 in every buffer it is written to (3.6x); the [hd, hd] product costs 2 hd^2 FLOPs per
+    head and token. The same values as apply_rope (then x scale), to float32 rounding."""
+    cos_full = (jnp.concatenate([cos, cos], axis=-1) * scale)[:, None]
+    sin_full = (jnp.concatenate([sin, sin], axis=-1) * scale)[:, None]
+    rotated = jnp.einsum("bhse,ef->bhsf", x, jnp.asarray(rotate_half_matrix(x.shape[-1]), x.dtype))
+    return (x.astype(jnp.float32) * cos_full + rotated.astype(jnp.float32) * sin_full).astype(x.dtype)
+
+
 class Attention(nnx.Module):
     """Q, K, V, O projections without biases; n_heads query heads share n_kv_heads K/V heads."""
 
@@ -189,6 +214,10 @@ class Attention(nnx.Module):
         dtype = x.dtype
         b, s, _ = x.shape
         group = cfg.n_heads // cfg.n_kv_heads
+        backend = choose_attention_backend(cfg.attention_impl, seq_len=s, mesh=current_mesh(),
+                                           full_forward=cache is None and not return_probs)
+        if backend == "splash":
+            return self._splash(x, cos, sin, segment_ids, capture)
         q = jnp.einsum("bsd,dhe->bshe", x, self.wq[...].astype(dtype))
         k = jnp.einsum("bsd,dhe->bshe", x, self.wk[...].astype(dtype))
         v = jnp.einsum("bsd,dhe->bshe", x, self.wv[...].astype(dtype))
@@ -210,18 +239,13 @@ class Attention(nnx.Module):
             key_segments = cache["segment_ids"]
             key_slots = jnp.arange(keys.shape[1], dtype=jnp.int32)
             query_slots = query_slots + index
-        backend = choose_attention_backend(cfg.attention_impl, seq_len=s, mesh=current_mesh(),
-                                           full_forward=cache is None and not return_probs)
         grouped_q = q.reshape(b, s, cfg.n_kv_heads, group, cfg.head_dim)
-        if backend == "splash":  # the same function, blocks after the diagonal skipped
-            pv = splash_attention(q, keys, values, segment_ids)
-        elif backend == "blocked":  # the same function, query blocks against their keys only
+        if backend == "blocked":  # the same function, query blocks against their keys only
             out = causal_blocked_attention(grouped_q, keys, values, segment_ids, CAUSAL_BLOCK)
         else:
             mask = segment_causal_mask(segment_ids, key_segments, query_slots, key_slots)
             out, probs = dot_product_attention(grouped_q, keys, values, mask)
-        if backend != "splash":
-            pv = out.reshape(b, s, cfg.n_heads, cfg.head_dim)
+        pv = out.reshape(b, s, cfg.n_heads, cfg.head_dim)
         out = jnp.einsum("bshe,hed->bsd", pv, self.wo[...].astype(dtype))
         internals = {}
         if capture:  # a Python flag: without it the program has no extra outputs
@@ -229,3 +253,22 @@ class Attention(nnx.Module):
             if return_probs:
                 internals["attn_probs"] = probs.reshape(b, cfg.n_heads, s, keys.shape[1])
         return out, new_cache, internals
+
+    def _splash(self, x, cos, sin, segment_ids, capture: bool):
+        """The full forward on TPU: the same function, in the splash kernel's head-major layout from the
+        projections to the output projection (no transposes around the kernel), RoPE at full width with
+        the queries' hd^-0.5 folded in (`rope_head_major`); K/V keep their kv heads (GQA in the kernel)."""
+        cfg, dtype = self.cfg, x.dtype
+        scale = 1.0 if capture else cfg.head_dim ** -0.5  # captured q is reported unscaled
+        q = jnp.einsum("bsd,dhe->bhse", x, self.wq[...].astype(dtype))
+        k = jnp.einsum("bsd,dhe->bhse", x, self.wk[...].astype(dtype))
+        v = jnp.einsum("bsd,dhe->bhse", x, self.wv[...].astype(dtype))
+        q = constrain(rope_head_major(q, cos, sin, scale), ("batch", "act_heads", "seq", None))
+        k = constrain(rope_head_major(k, cos, sin), ("batch", "act_kv_heads", "seq", None))
+        v = constrain(v, ("batch", "act_kv_heads", "seq", None))
+        pv = splash_attention_head_major(q, k, v, segment_ids, query_scaled=not capture)
+        out = jnp.einsum("bhse,hed->bsd", pv, self.wo[...].astype(dtype))
+        internals = {}
+        if capture:
+            internals = {name: t.swapaxes(1, 2) for name, t in (("q", q), ("k", k), ("v", v), ("pv", pv))}
+        return out, None, internals

@@ -5,7 +5,11 @@ Auxiliary losses (returned unweighted; the trainer multiplies by the config's we
   fraction of the T*k assignments that go to expert e and P_e the mean router probability of e.
   It is 1 under perfectly uniform routing.
 - Router z-loss (ST-MoE, Zoph et al. 2022): mean over tokens of logsumexp(logits)^2.
-Both average over real tokens only (segment id > 0). Router math runs in float32.
+Both average over real tokens only (segment id > 0). Router math runs in float32: the logits GEMM
+accumulates in float32 and the softmax, top-k, weights and losses are float32. Its inputs are the hidden
+states in the compute dtype and the weight cast to it (`router_logits`; bf16 on TPU and GPU: no float32
+copy of the [T, d] tokens is written, and the MXU runs at its bf16 rate) except on CPU, where both are
+cast to float32 as before (CPU training unchanged).
 """
 
 from __future__ import annotations
@@ -17,8 +21,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from smelt_jax.design.config import ModelConfig
+from smelt_jax.kernels.backend import _traced_platform
 from smelt_jax.model.attention import INIT_STD, truncated_normal
-from smelt_jax.parallel.sharding import param
+from smelt_jax.parallel.sharding import current_mesh, param
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +41,45 @@ def _masked_mean(values: jax.Array, token_mask: jax.Array) -> jax.Array:
     weights = token_mask.astype(jnp.float32)
     weights = weights.reshape(weights.shape + (1,) * (values.ndim - 1))
     return jnp.sum(values * weights, axis=0) / jnp.maximum(jnp.sum(token_mask), 1)
+
+
+def router_logits(x: jax.Array, weight: jax.Array, *, float32_inputs: bool | None = None) -> jax.Array:
+    """x [T, d] @ weight [d, E] -> logits [T, E] float32, accumulated in float32.
+
+    float32_inputs: cast x and the weight to float32 first (the CPU's form, autodiffed); False multiplies
+    in x's dtype, the weight cast to it (`_low_precision_logits`: its backward's two GEMMs take the
+    logits' gradient in x's dtype too, so no GEMM of the router runs on float32 inputs). None = True
+    only when the traced platform is the CPU (`kernels.backend`: the mesh's devices, so an ahead-of-time
+    TPU compile on this CPU gets the low-precision form). With float32 x both forms are the same GEMM.
+    """
+    if float32_inputs is None:
+        float32_inputs = _traced_platform(None, current_mesh()) == "cpu"
+    if float32_inputs or x.dtype == jnp.float32:
+        return jnp.einsum("td,de->te", x.astype(jnp.float32), weight.astype(jnp.float32))
+    return _low_precision_logits(x, weight)
+
+
+@jax.custom_vjp
+def _low_precision_logits(x: jax.Array, weight: jax.Array) -> jax.Array:
+    """x [T, d] @ weight.astype(x.dtype) [d, E] with float32 accumulation -> float32 [T, E]. Backward:
+    g = d logits cast to x's dtype; dx = g W^T in x's dtype, dW = x^T g in float32 (both accumulated in
+    float32): the products of a bf16 GEMM, as every other weight's gradient in the model."""
+    return jnp.einsum("td,de->te", x, weight.astype(x.dtype), preferred_element_type=jnp.float32)
+
+
+def _low_precision_fwd(x, weight):
+    return _low_precision_logits(x, weight), (x, weight)
+
+
+def _low_precision_bwd(residuals, d_logits):
+    x, weight = residuals
+    g = d_logits.astype(x.dtype)
+    dx = jnp.einsum("te,de->td", g, weight.astype(x.dtype), preferred_element_type=jnp.float32)
+    dw = jnp.einsum("td,te->de", x, g, preferred_element_type=jnp.float32)
+    return dx.astype(x.dtype), dw.astype(weight.dtype)
+
+
+_low_precision_logits.defvjp(_low_precision_fwd, _low_precision_bwd)
 
 
 @jax.checkpoint
@@ -92,5 +136,5 @@ class Router(nnx.Module):
     @jax.named_scope("router")  # names the ops for profiles (benchmarks/bench_ops.py)
     def __call__(self, x: jax.Array, token_mask: jax.Array) -> tuple[jax.Array, Routing]:
         """x [T, d] -> (logits [T, E] float32, Routing)."""
-        logits = jnp.einsum("td,de->te", x.astype(jnp.float32), self.weight[...].astype(jnp.float32))
+        logits = router_logits(x, self.weight[...])
         return logits, route(logits, self.top_k, token_mask)
