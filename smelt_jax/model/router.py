@@ -74,9 +74,10 @@ def _low_precision_fwd(x, weight):
 def _low_precision_bwd(residuals, d_logits):
     x, weight = residuals
     g = d_logits.astype(x.dtype)
-    dx = jnp.einsum("te,de->td", g, weight.astype(x.dtype), preferred_element_type=jnp.float32)
+    # dx written in x's dtype (the MXU accumulates in float32 inside): no float32 [T, d] buffer
+    dx = jnp.einsum("te,de->td", g, weight.astype(x.dtype), preferred_element_type=x.dtype)
     dw = jnp.einsum("td,te->de", x, g, preferred_element_type=jnp.float32)
-    return dx.astype(x.dtype), dw.astype(weight.dtype)
+    return dx, dw.astype(weight.dtype)
 
 
 _low_precision_logits.defvjp(_low_precision_fwd, _low_precision_bwd)
