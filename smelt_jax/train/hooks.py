@@ -1,7 +1,7 @@
 """The trainer's hooks on the step loop (`smelt_jax.train.loop.StepLoop.add_hook`): the NaN guard, the
 metrics record (metrics.jsonl and TensorBoard), the progress bar, periodic evaluation, the profiler,
 and checkpoints with the stop rule. Each is a small object whose `__call__(info)` runs after a step;
-the trainer registers them in that order (`trainer._add_hooks`).
+the trainer registers them in that order (`phase_loop.loop`).
 """
 
 from __future__ import annotations

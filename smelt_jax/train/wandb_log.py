@@ -6,7 +6,7 @@ The writer takes the records the trainer writes to `metrics.jsonl` (the interfac
 (tensorboard.run_hparams) as the W&B config. One W&B run per phase: its id is `<run id>-<phase>`
 (resumed with `resume="allow"` when the trainer restarts), its group the run id, so a run's stable
 phase and branches sit together and runs compare by arch and sparsity. A trainer process opens the
-run once (trainer._Phase.wandb_log) and logs its training, any repair and a branch's final
+run once (phase.Phase.wandb_log) and logs its training, any repair and a branch's final
 evaluation into it, so W&B offline writes one `offline-run-*` folder per trainer process.
 
 A resumed phase logs again the steps after its checkpoint: `step` is the x axis (define_metric),
