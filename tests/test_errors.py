@@ -87,12 +87,13 @@ DOMAIN_ERRORS = [
     ("smelt_jax.run_files.checkpoint_format", "CheckpointAccessError"),
     ("smelt_jax.sweep.local", "SweepError"), ("smelt_jax.sweep.base", "MissingTool"),
     ("smelt_jax.train.lock", "LockHeld"), ("smelt_jax.train.checkpoint", "CheckpointError"),
-    ("smelt_jax.data.hf_tokenizer", "TokenizerError"), ("smelt_jax.data.token_store", "StoreError"),
+    ("smelt_jax.data.hf_tokenizer", "TokenizerError"), ("smelt_jax.data.store_checks", "StoreError"),
     ("smelt_jax.data.inputs", "InputError"), ("smelt_jax.data.prepare", "PrepareError"),
     ("smelt_jax.data.corpus", "CorpusError"), ("smelt_jax.data.corpus", "DigestMismatch"),
-    ("smelt_jax.analysis.tasks", "TaskFileError"), ("smelt_jax.train.trainer", "ForkCheckpointDamaged"),
-    ("smelt_jax.train.trainer", "NonFiniteLoss"), ("smelt_jax.compile.aot", "TpuOutOfMemory"),
+    ("smelt_jax.analysis.tasks", "TaskFileError"), ("smelt_jax.train.phase", "ForkCheckpointDamaged"),
+    ("smelt_jax.train.phase", "NonFiniteLoss"), ("smelt_jax.compile.aot", "TpuOutOfMemory"),
     ("smelt_jax.compile.aot", "LibTpuUnavailable"), ("smelt_jax.cli", "CliError"),
+    ("smelt_jax.platform.env", "EnvError"),
 ]
 
 # Exception classes under smelt_jax/ that are deliberately not user errors (a traceback is wanted, or
