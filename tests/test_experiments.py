@@ -145,7 +145,9 @@ def test_every_suite_lists_as_before(capsys):
     issue 41's compile report chose the ring exchange for every smelt16 row (`parallelism.exchange`) and
     moved 12 rows' `parallelism.remat`, no id; the `ladder` suite was appended (issue 51), every earlier row
     unchanged; issue 50's report (the ring charged (n-1)/n of its group) moved the 200M S85 Baseline from
-    remat none to dots, no id."""
+    remat none to dots, no id; issue 50 item 2's loop-form search kept the 100M S95 pair's layer stacks
+    unrolled (`parallelism.layer_loop`, listed only when not 'auto') and moved its Baseline from remat full
+    to none, no id."""
     assert cli_main(["experiments", "list", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     golden = json.loads(GOLDEN_LIST.read_text())

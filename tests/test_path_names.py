@@ -30,6 +30,7 @@ NOT_A_PATH = {
     (Parallelism, "tpu_type"): "a TPU type, matched against hardware.py's table",
     (Parallelism, "remat"): "one of config.REMAT_POLICIES",
     (Parallelism, "exchange"): "one of kernels.backend.EXPERT_EXCHANGES",
+    (Parallelism, "layer_loop"): "one of kernels.backend.LAYER_LOOPS",
 }
 
 

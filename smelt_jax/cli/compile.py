@@ -1,5 +1,6 @@
 """`smelt compile RUN_ID --topology v5p-128 [--layout data=..,fsdp=..,expert=..] [--remat P] [--json]
-[--hlo-out FILE] [--breakdown]`: compile a run's train step for a TPU slice on this CPU and report memory, FLOPs,
+[--layer-loop scan|unrolled] [--hlo-out FILE] [--breakdown]`:
+compile a run's train step for a TPU slice on this CPU and report memory, FLOPs,
 collectives, HBM traffic, the roofline step and its MFUs (optionally writing the compiled HLO, gzipped,
 and the HBM walk by category with its largest instructions);
 `smelt compile-report --suite S`: choose a layout for every configuration of a suite."""
@@ -26,6 +27,8 @@ def cmd_compile(args) -> int:
     layout = parse_layout(args.layout, run.parallelism) if args.layout else run.parallelism
     if args.exchange:  # an explicit --exchange wins over the one recorded with the layout
         layout = dataclasses.replace(layout, exchange=args.exchange)
+    if args.layer_loop:  # likewise --layer-loop (scan or unrolled layer stacks: compile/loop_form.py)
+        layout = dataclasses.replace(layout, layer_loop=args.layer_loop)
     report = compile_run(run, args.topology, layout, remat=args.remat, hlo_path=args.hlo_out)
     ideal = for_run(run, args.topology, report.layout)  # the physical limit of this configuration and mesh
     if args.json:
@@ -48,6 +51,9 @@ def register(subparsers) -> None:
     p.add_argument("--exchange", choices=("auto", "padded", "ragged", "ring"),
                    help="expert-parallel token exchange (default: the layout's, else the run's; 'auto': padded "
                         "on TPU; 'ring': all-gather + reduce-scatter, model/ring_exchange.py)")
+    p.add_argument("--layer-loop", choices=("auto", "scan", "unrolled"),
+                   help="how the layer stacks run (default: the layout's, else 'auto': a scan on TPU; 'unrolled': "
+                        "a Python loop over the layers, no saved-activation stacks; compile/loop_form.py)")
     p.add_argument("--hlo-out", metavar="FILE",
                    help="write the compiled per-device HLO text here, gzip-compressed (e.g. step.hlo.gz)")
     p.add_argument("--breakdown", action="store_true",
@@ -92,7 +98,8 @@ def register_report(subparsers) -> None:
         "compile-report", help="choose a TPU layout for every suite configuration by AOT compiles",
         description="For each configuration, compile candidate layouts for its scale's slice and keep, of "
                     "those that fit HBM with headroom, the one with the lowest roofline step (each exchange at "
-                    "its first remat that fits, then the winner's further remats while the step falls). "
+                    "its first remat that fits, then the winner's further remats while the step falls; then the "
+                    "layer stacks unrolled instead of scanned at the winning exchange, the faster kept). "
                     "Results are cached per compile under data_cache/compile_report/ and recorded in the "
                     "suite's ledger (experiments/compile_results.jsonl for smelt16), so an interrupted report "
                     "resumes where it stopped, on this machine or a clone.")

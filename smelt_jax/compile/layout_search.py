@@ -5,13 +5,14 @@ slice its suite's placement gives its scale, with an ordered list of candidate l
 expert axis size where any fits with headroom (`fits_with_headroom`), each exchange at its first remat
 that fits, then the winning exchange's further remats while each lowers the roofline step (the steps
 are HBM-bound with compute to spare, so recomputing the forward can cost less than saving it: 100M
-S95 Baseline on v5p-128, remat none 0.117 s, dots 0.112 s; docs/performance.md). Every compile
+S95 Baseline on v5p-128, remat none 0.117 s, dots 0.112 s; docs/performance.md), then the layer stacks
+unrolled instead of scanned at the winning exchange (`compile.loop_form`). Every compile
 result is cached as one JSON file under data_cache/compile_report/ (key: configuration content,
 slice, layout, remat, CACHE_VERSION), so an interrupted report resumes without recompiling what it
 already has, and recorded in the suite's ledger (`compile.results_ledger`), which travels with the
 repository, so it resumes on another machine too. `compile_suite` is that
-resumable loop over a suite (`smelt compile-report`); `render_table` turns the results into the
-markdown table of docs/parallelism.md; `layouts_document` into the suite's layouts file
+resumable loop over a suite (`smelt compile-report`); `render_table` (`compile.layout_table`) turns the
+results into the markdown of docs/parallelism.md; `layouts_document` into the suite's layouts file
 (experiments/layouts.json for smelt16).
 
 The suite's policy (slice per scale, expert axis sizes, which configurations go first) is a
@@ -31,9 +32,12 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from smelt_jax.compile.candidates import Candidate, SearchPolicy, candidates
-from smelt_jax.compile.breakdown import category_header, category_row
+from smelt_jax.compile.candidates import (HBM_HEADROOM, Candidate, SearchPolicy, candidates,  # noqa: F401
+                                          fits_with_headroom)
 from smelt_jax.compile.checkpoint_cadence import cadence_document, save_bytes
+from smelt_jax.compile.layout_table import (BEGIN, END, TABLE_HEADER, render_table,  # noqa: F401 (re-exported)
+                                            replace_generated, table_row)
+from smelt_jax.compile.loop_form import best_form, faster
 from smelt_jax.compile.overflow import step_overflow_passes
 from smelt_jax.compile.results_ledger import Ledger, report_from_dict
 from smelt_jax.compile.report import (
@@ -58,21 +62,6 @@ CACHE_VERSION = 5  # 2: Pallas lane tiles chosen to pad least; HLO kept. 3: spla
 # 4: d and f one block in the expert kernels (kernels/gmm.py ONE_BLOCK_LANES); ring exchange candidates
 # 5: a looped model's scans of distinct lengths (model/layer.py distinct_scan_lengths; Baselines unchanged)
 CACHE_DIR = checkout_root() / "data_cache" / "compile_report"
-
-# A layout is kept when the compiler accepts it with its peak under HBM (`CompileReport.peak_fits_hbm`)
-# *and* arguments + temporaries (a bound that ignores their live-range overlap, so above the compiler's
-# peak) stay under this share of HBM: the runtime needs some HBM too, and the compiler's peak came out
-# *below* its temporaries alone. `fits_with_headroom` is that test.
-HBM_HEADROOM = 0.95
-
-
-def fits_with_headroom(report: CompileReport) -> bool:
-    """Compiler accepted, peak under HBM, and arguments + temporaries under HBM_HEADROOM x HBM."""
-    if not report.peak_fits_hbm or report.hbm_bytes is None:
-        return False
-    total = (report.argument_bytes or 0) + (report.temp_bytes or 0)
-    return total <= HBM_HEADROOM * report.hbm_bytes
-
 
 def cache_path(run: RunSpec, candidate: Candidate, cache_dir: Path = CACHE_DIR) -> Path:
     """One file per (configuration content, layout): independent of the run's own parallelism field,
@@ -177,6 +166,9 @@ class SearchResult:
     report: CompileReport | None  # the chosen layout's report, else the last one tried
     tried: tuple[tuple[str, str], ...]  # (candidate label, outcome) in order
     status: str  # "fits" | "does not fit" | "not compiled (...)"
+    # the loop-form comparison (`loop_form.best_form`): (layout, report) of the scan's winner, then of
+    # every other-form compile; () or the winner alone when no other form was compiled
+    compared: tuple = ()
 
 
 def search_layout(run: RunSpec, compile_fn: Callable[..., CompileReport], policy: SearchPolicy, *,
@@ -189,13 +181,17 @@ def search_layout(run: RunSpec, compile_fn: Callable[..., CompileReport], policy
        with the lowest roofline step wins (ties: the earlier in `policy.exchanges`);
     2. at that exchange, the following remats in order while each lowers the step (the steps are
        HBM-bound with compute to spare, so recomputing can cost less than saving: 100M S95 Baseline,
-       none 0.117 s, dots 0.112, full 0.111; S0 SMELT 0.199, 0.194, 0.198, docs/performance.md).
+       none 0.117 s, dots 0.112, full 0.111; S0 SMELT 0.199, 0.194, 0.198, docs/performance.md);
+    3. with stages 1-2 in the first of `policy.layer_loops` (the scan), each other loop form (unrolled)
+       at the winning exchange: its first remat that fits, then while the step falls; the faster program
+       that fits is kept (ties: the scan; `loop_form.best_form`, recorded in `SearchResult.compared`).
 
-    That is 4 compiles for a configuration whose 'none' fits (not the 6 of every pair), and the same
+    That is 4 compiles (+ 1-3 for stage 3) for a configuration whose 'none' fits (not the 6 of every pair), and the same
     choice as comparing all six on the 100M pairs measured so far. The first expert size with a fitting
     layout is kept. With a `skip_reason` nothing is compiled: only cached results are used; a missing
     one of the first exchange stops the search with status 'not compiled (skip_reason)', of a later
-    exchange leaves it out of the comparison, of stage 2 ends the walk.
+    exchange leaves it out of the comparison, of stage 2 ends the walk, of stage 3 leaves that loop form
+    out (the configuration keeps its scan program).
     """
     slice_name = policy.slice_for(run)
     tried: list[tuple[str, str]] = []
@@ -216,15 +212,13 @@ def search_layout(run: RunSpec, compile_fn: Callable[..., CompileReport], policy
         last = report
         return report
 
-    def faster(report: CompileReport, than: CompileReport) -> bool:
-        return report.step_seconds is not None and (than.step_seconds is None
-                                                    or report.step_seconds < than.step_seconds)
-
-    cands = candidates(run, slice_name, policy.expert_axis_sizes, policy.exchanges)
-    for _, group in itertools.groupby(cands, key=lambda c: dataclasses.replace(c.layout, exchange="auto",
-                                                                               remat="none")):
+    loops = policy.layer_loops
+    cands = candidates(run, slice_name, policy.expert_axis_sizes, policy.exchanges, loops)
+    for _, group in itertools.groupby(cands, key=lambda c: dataclasses.replace(
+            c.layout, exchange="auto", remat="none", layer_loop="auto")):
         group = list(group)
-        chains = [[c for c in group if c.layout.exchange == exchange] for exchange in policy.exchanges]
+        chains = [[c for c in group if c.layout.exchange == exchange and c.layout.layer_loop == loops[0]]
+                  for exchange in policy.exchanges]
         firsts = []  # (chain, position, candidate, report) of each exchange's first fitting remat
         for n, chain in enumerate(chains):
             for position, candidate in enumerate(chain):
@@ -249,7 +243,9 @@ def search_layout(run: RunSpec, compile_fn: Callable[..., CompileReport], policy
             if next_report is None or not fits_with_headroom(next_report) or not faster(next_report, report):
                 break
             candidate, report = following, next_report
-        return SearchResult(run_key(run), run.id, slice_name, candidate.layout, report, tuple(tried), "fits")
+        candidate, report, compared = best_form(group, candidate, report, loops, attempt)  # 3. the loop form
+        return SearchResult(run_key(run), run.id, slice_name, candidate.layout, report, tuple(tried), "fits",
+                            compared)
     return SearchResult(run_key(run), run.id, slice_name, None, last, tuple(tried), "does not fit")
 
 
@@ -266,144 +262,6 @@ def layouts_document(results: Iterable[SearchResult], suite: str) -> str:
     layouts = {r.key: r.chosen.to_dict() for r in results if r.chosen is not None}
     return json.dumps({"suite": suite, "layouts": dict(sorted(layouts.items()))},
                       indent=1, sort_keys=True) + "\n"
-
-
-def _gib(value: float | None) -> str:
-    return "?" if value is None else f"{value / 2**30:.1f}"
-
-
-def _collectives(counts: dict[str, int]) -> str:
-    short = {"all-reduce": "AR", "all-gather": "AG", "reduce-scatter": "RS", "all-to-all": "A2A",
-             "ragged-all-to-all": "rA2A", "collective-permute": "CP"}
-    return " ".join(f"{short[k]} {v}" for k, v in sorted(counts.items())) or "none"
-
-
-def _tflop(value: float | None) -> str:
-    return "?" if value is None else f"{value / 1e12:.1f}"
-
-
-TABLE_HEADER = (
-    "| config | slice | layout (data x fsdp x expert x tensor) | remat | args GiB | temps GiB | out GiB "
-    "| args+temps / peak / HBM GiB | TFLOP per device: budget / program (x) | program - budget, per budget FLOP "
-    "| XLA count (x) | executed collectives (GiB sent) | HBM GB walked | step >= s (compute / HBM / ICI + exchange) "
-    "| roofline MFU <= (budget) | roofline MFU <= (6N + head + causal attn) | compile s |\n"
-    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-
-
-ACCOUNTING_SHORT = {"attention_window": "window", "unembedding": "logits", "remat": "remat", "other": "other"}
-
-
-def _accounting(report: CompileReport) -> str:
-    terms = report.flops_accounting
-    if not terms:
-        return "?"
-    return " ".join(f"{short} {terms[key] / terms['budget']:+.2f}" for key, short in ACCOUNTING_SHORT.items())
-
-
-def table_row(result: SearchResult) -> str:
-    name = f"{result.key}"
-    if result.status != "fits" or result.report is None:
-        reason = result.status
-        if result.status == "does not fit" and result.report is not None:
-            r = result.report
-            over = (f"arguments + temporaries {_gib((r.argument_bytes or 0) + (r.temp_bytes or 0))} GiB "
-                    f"> {HBM_HEADROOM:.0%} of HBM")
-            reason = f"does not fit: {(r.error or over)[:120]}"
-        return f"| {name} | {result.slice} | {reason} |" + " |" * 14
-    r = result.report
-    lay = r.layout
-    program = (f"{_tflop(r.budget_flops)} / {_tflop(r.program_flops)}"
-               + (f" (x{r.program_ratio:.2f})" if r.program_ratio else ""))
-    xla = f"{_tflop(r.compiled_flops)}" + (f" (x{r.flops_ratio:.2f})" if r.flops_ratio else "")
-    if r.executed_collectives is not None:
-        executed = f"{_collectives(r.executed_collectives)} ({(r.send_bytes or 0) / 2**30:.1f})"
-    else:
-        executed = f"static: {_collectives(r.collectives)} (HLO not kept)"
-    hbm = "?" if r.hbm_traffic_bytes is None else f"{r.hbm_traffic_bytes / 1e9:,.0f}"
-    if r.step_seconds is not None:
-        ragged = "" if r.comm_seconds_ragged is None else f"; ragged {r.comm_seconds_ragged:.2f}"
-        exposed = r.exchange_exposed_seconds or 0.0
-        step = (f"{r.step_seconds:.2f} ({r.compute_seconds:.2f} / {r.hbm_seconds:.2f} / "
-                f"{r.comm_seconds - exposed:.2f} + {exposed:.2f}{ragged}; {r.dominant_term})")
-        mfu = f"{100 * r.mfu:.1f}%" if r.mfu is not None else "?"
-        mfu_conventional = f"{100 * r.mfu_conventional:.1f}%" if r.mfu_conventional is not None else "?"
-    else:
-        step = "?" if r.compute_seconds is None else f"? ({r.compute_seconds:.2f} / ? / ?)"
-        mfu = mfu_conventional = "?"
-    return (f"| {name} | {r.slice} | {lay['data']} x {lay['fsdp']} x {lay['expert']} x {lay['tensor']} "
-            f"| {r.remat} | {_gib(r.argument_bytes)} | {_gib(r.temp_bytes)} | {_gib(r.output_bytes)} "
-            f"| {_gib((r.argument_bytes or 0) + (r.temp_bytes or 0))} / {_gib(r.peak_bytes)} / "
-            f"{_gib(r.hbm_bytes)} | {program} | {_accounting(r)} | {xla} | {executed} | {hbm} | {step} | {mfu} "
-            f"| {mfu_conventional} "
-            f"| {r.compile_seconds:.0f} |")
-
-
-def _roofline_terms(results: list[SearchResult]) -> tuple[str, str, str]:
-    """('459 TFLOP/s', '2765 GB/s HBM', '200 GB/s ICI per torus axis') from the hardware table when every
-    result is on one chip."""
-    chips = {parse_slice(r.slice).chip for r in results}
-    if len(chips) != 1:
-        return "chip peak", "chip HBM bandwidth", "chip ICI bandwidth per torus axis"
-    chip = chips.pop()
-    return (f"{chip.peak_flops / 1e12:.0f} TFLOP/s", f"{chip.hbm_bytes_per_second / 1e9:,.0f} GB/s HBM",
-            f"{chip.ici_bytes_per_second / chip.torus_dims / 1e9:.0f} GB/s ICI per torus axis")
-
-
-def render_table(results: Iterable[SearchResult], command: str) -> str:
-    results = list(results)
-    fitted = sum(r.status == "fits" for r in results)
-    peak, hbm, ici = _roofline_terms(results)
-    intro = (f"Generated by `{command}` (`make compile-report`): {fitted} of {len(results)} "
-             "configurations compiled and fit. Per-device numbers from the TPU compiler's program "
-             "(compiled, never run). **budget** = train_flops_per_token x tokens per step / chips; "
-             "**program** = the matmul FLOPs the step executes (jaxpr, loops x trip count, Pallas kernels "
-             "at the rows that carry tokens, splash attention at the blocks it runs), and the terms that "
-             "separate the two, as shares of the budget "
-             "(**window**: the keys each query's attention executes beyond the budget's 400: all 4096 for the "
-             "reference attention, the dense equivalent of 2688 for splash; **logits**: the unembedding; "
-             "**remat**: recomputation, measured by tracing with remat none; **other**: the rest, mostly Pallas "
-             "tile padding); **XLA count** = `cost_analysis()` FLOPs, which count each "
-             "loop body once (not a work measure). **Executed collectives** per step with loops x trip "
-             "count, and the GiB each device sends (all-reduce twice its size). **HBM GB walked**: operands + "
-             "results of every top-level op of the per-device HLO, loops x trip count (docs/roofline.md). "
-             f"**step >=** = max(program FLOPs / {peak}, HBM bytes / {hbm}, bytes sent / ({ici} x the axes "
-             "each collective's group spans)) + the expert exchange where the schedule does not overlap it, "
-             "and the term that sets it: a roofline lower bound, so both **roofline MFU <=** are upper "
-             "bounds: budget FLOPs (the paper's convention) or 6N + LM head + causal attention (MaxText's), "
-             "over step x peak; 'ragged' projects the ICI time "
-             "if the expert all-to-alls sent only their filled rows (shown for padded programs only). "
-             "Fit = compiler accepted, peak "
-             f"< HBM, and arguments + temporaries <= {HBM_HEADROOM:.0%} of HBM.")
-    lines = [intro, "", TABLE_HEADER]
-    lines += [table_row(r) for r in results]
-    lines += ["", "**HBM GB walked by category** (per device per step; docs/roofline.md, `smelt compile ID "
-              "--breakdown` lists the largest instructions): the MoE overflow loop at its expected passes from "
-              "measured load, the worst case in brackets; the categories sum to the total.", "",
-              category_header()]
-    lines += [category_row(r.key, *_categories(r)) for r in results]
-    return "\n".join(lines) + "\n"
-
-
-def _categories(result: SearchResult) -> tuple[dict[str, float] | None, float | None]:
-    r = result.report
-    if result.status != "fits" or r is None or r.hbm_by_category is None:
-        return None, None
-    worst = (r.overflow_passes_worst or 0) * (r.hbm_overflow_per_pass or 0.0)
-    return r.hbm_by_category, worst
-
-
-BEGIN = "<!-- compile-report:begin (generated; edit smelt_jax/compile/layout_search.py instead) -->"
-END = "<!-- compile-report:end -->"
-
-
-def replace_generated(doc: str, generated: str, begin: str = BEGIN, end: str = END) -> str:
-    """`doc` with the text between `begin` and `end` replaced (both appended at the end when absent)."""
-    block = f"{begin}\n{generated}{end}"
-    if begin in doc and end in doc:
-        head, rest = doc.split(begin, 1)
-        _, tail = rest.split(end, 1)
-        return head + block + tail
-    return doc.rstrip("\n") + "\n\n" + block + "\n"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -457,7 +315,8 @@ def compile_suite(runs: Sequence[RunSpec], policy: SearchPolicy, *, suite: str,
         raise UsageError(f"--only {sorted(unknown)}: not a scale or key of suite {suite}")
     ledger = Ledger.load(results_out)
     names = {run_key(run): [(c, cache_path(run, c, cache_dir)) for c in
-                            candidates(run, policy.slice_for(run), policy.expert_axis_sizes, policy.exchanges)]
+                            candidates(run, policy.slice_for(run), policy.expert_axis_sizes, policy.exchanges,
+                                       policy.layer_loops)]
              for run in runs}
     ledger.keep_only({path.name for listed in names.values() for _, path in listed})
     start = time.perf_counter()
@@ -483,7 +342,7 @@ def compile_suite(runs: Sequence[RunSpec], policy: SearchPolicy, *, suite: str,
         log(f"  -> {result.status}")
         results[key] = result
         if results_out:  # after every configuration: an interrupted report loses no compile
-            for candidate, path in names[key]:
+            for _, path in names[key]:
                 if path.exists():
                     data = json.loads(path.read_text())
                     ledger.add(path.name, key, data["candidate"], report_from_dict(data["report"]))

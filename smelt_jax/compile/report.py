@@ -43,7 +43,8 @@ from smelt_jax.compile.program_flops import ProgramFlops, program_flops
 from smelt_jax.design.descriptors import Parallelism, RunSpec
 from smelt_jax.platform.hardware import Slice, parse_slice
 from smelt_jax.kernels import splash
-from smelt_jax.kernels.backend import choose_attention_backend, choose_expert_backend, choose_expert_exchange
+from smelt_jax.kernels.backend import (choose_attention_backend, choose_expert_backend, choose_expert_exchange,
+                                       choose_layer_loop)
 from smelt_jax.model.expert_exchange import buffer_fill, token_axes
 from smelt_jax.model.ring_exchange import ring_fill
 from smelt_jax.compile.report_text import format_report  # noqa: F401  (re-exported: cr.format_report)
@@ -106,6 +107,7 @@ class CompileReport:
     hbm_top: list[dict] | None = None  # the 25 largest instructions (`breakdown.TopRow` fields)
     # ICI_ACCOUNTING of the collective figures (0: the ring exchange sent n/n of a group; `upgrade_ici`)
     ici_accounting: int = 0
+    layer_loop: str | None = None  # 'scan' or 'unrolled' (None: compiled before it was recorded: a scan)
 
     def breakdown(self) -> Breakdown | None:
         """The walk's breakdown kept in this report (None before ANALYSIS_VERSION 4)."""
@@ -281,6 +283,7 @@ class _Program:
     mesh: jax.sharding.Mesh
     cfg: Any
     remat: str
+    layer_loop: str  # 'scan' or 'unrolled' (the layout's, 'auto' resolved for a TPU)
     step: Any
     args: tuple
     in_shardings: tuple
@@ -301,13 +304,14 @@ def _program(run: RunSpec, slice_name: str, layout: Parallelism | None, remat: s
     cfg = _tpu_config(run, mesh)
     schedule = run.schedule
     tx = optimizer(schedule)
-    plan = train_state.plan_training(cfg, tx, mesh, remat=remat)
+    plan = train_state.plan_training(cfg, tx, mesh, remat=remat, layer_loop=layout.layer_loop)
     params, opt_state = plan.abstract_state()
     batch = plan.abstract_batch(schedule.batch_size, schedule.seq_len)
     lr = jax.ShapeDtypeStruct((), "float32", sharding=sharding.replicated(mesh))
     in_shardings, out_shardings = plan.step_shardings(schedule.batch_size, schedule.seq_len)
     return _Program(
-        tpu=tpu, mesh=mesh, cfg=cfg, remat=remat, step=make_train_step(plan.graphdef, cfg, tx),
+        tpu=tpu, mesh=mesh, cfg=cfg, remat=remat, layer_loop=choose_layer_loop(layout.layer_loop, "tpu"),
+        step=make_train_step(plan.graphdef, cfg, tx),
         args=(params, opt_state, batch, lr), in_shardings=in_shardings, out_shardings=out_shardings,
         budget_flops=budget_lib.train_flops_per_token(cfg) * schedule.tokens_per_step / mesh.size,
         conventional_flops=conventional_train_flops(cfg, schedule.tokens_per_step / mesh.size))
@@ -356,7 +360,7 @@ def compile_run(run: RunSpec, slice_name: str, layout: Parallelism | None = None
     program = _program(run, slice_name, layout, remat)
     tpu, cfg = program.tpu, program.cfg
     base = {"run_id": run.id, "suite": run.suite, "slice": slice_name, "layout": dict(program.mesh.shape),
-            "remat": program.remat, "expert_exchange": cfg.expert_exchange,
+            "remat": program.remat, "expert_exchange": cfg.expert_exchange, "layer_loop": program.layer_loop,
             "expert_impl": cfg.expert_impl, "hbm_bytes": tpu.hbm_bytes}
     start = time.perf_counter()
     try:

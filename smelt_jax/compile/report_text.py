@@ -12,7 +12,9 @@ def format_report(report, with_breakdown: bool = False, ideal=None) -> str:
     """Human-readable lines for one compile; with the walk by category and its top instructions."""
     gib = lambda b: "?" if b is None else f"{b / 2**30:.2f} GiB"
     lines = [(f"{report.run_id} on {report.slice}, layout {report.layout}, remat {report.remat}, "
-             f"experts {report.expert_impl}, exchange {report.expert_exchange}: compiled in {report.compile_seconds:.1f} s")]
+             f"experts {report.expert_impl}, exchange {report.expert_exchange}"
+              + (f", layers {report.layer_loop}" if report.layer_loop else "")
+              + f": compiled in {report.compile_seconds:.1f} s")]
     if not report.peak_fits_hbm and report.peak_bytes is None:
         lines.append(f"  OUT OF MEMORY: {report.error}")
         return "\n".join(lines)

@@ -83,12 +83,18 @@ class Parallelism:
     tpu_type: str = ""  # e.g. "v5p-128"; empty = not chosen yet
     remat: str = "none"
     exchange: str = "auto"  # added later: left out of `to_dict` at 'auto', so ids and cache keys stay
+    # How the layer stacks run (kernels.backend.LAYER_LOOPS): 'auto' is the platform's (a scan on TPU);
+    # the layout search may pick 'unrolled' per configuration (compile/loop_form.py). Left out of
+    # `to_dict` at 'auto' like `exchange`; never part of a run id (`RunSpec.content_hash`).
+    layer_loop: str = "auto"
 
     def __post_init__(self) -> None:
-        from smelt_jax.kernels.backend import EXPERT_EXCHANGES
+        from smelt_jax.kernels.backend import EXPERT_EXCHANGES, LAYER_LOOPS
 
         if self.exchange not in EXPERT_EXCHANGES:
             raise ConfigError(f"Parallelism.exchange {self.exchange!r} not in {EXPERT_EXCHANGES}")
+        if self.layer_loop not in LAYER_LOOPS:
+            raise ConfigError(f"Parallelism.layer_loop {self.layer_loop!r} not in {LAYER_LOOPS}")
         # Checked here, where every layout is made (a suite, a config file, run.json, --layout), so a
         # bad one is one line before anything is written (issue 53), not a traceback in the model.
         if self.remat not in REMAT_POLICIES:
@@ -102,8 +108,9 @@ class Parallelism:
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
-        if self.exchange == "auto":
-            del out["exchange"]
+        for field in ("exchange", "layer_loop"):
+            if out[field] == "auto":
+                del out[field]
         return out
 
     def with_exchange(self, model: ModelConfig) -> ModelConfig:

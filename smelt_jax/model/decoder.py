@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from smelt_jax.design.config import REMAT_POLICIES, ModelConfig
-from smelt_jax.kernels.backend import choose_layer_loop
+from smelt_jax.kernels.backend import LAYER_LOOPS, choose_layer_loop
 from smelt_jax.model.attention import INIT_STD, truncated_normal
 from smelt_jax.model.layer import distinct_scan_lengths, loop_over, make_stack, run_stack
 from smelt_jax.model.norm import RMSNorm
@@ -41,13 +41,16 @@ def stack_layers(cfg: ModelConfig) -> dict[str, range]:
 
 
 class Decoder(nnx.Module):
-    """`Decoder(cfg, rngs=nnx.Rngs(seed), remat=policy)`; call with tokens, segment_ids, positions
-    [b, s] int32. `remat` (config.REMAT_POLICIES) is how the layers are executed, not what they
-    compute: the run's layout chooses it (descriptors.Parallelism.remat)."""
+    """`Decoder(cfg, rngs=nnx.Rngs(seed), remat=policy, layer_loop=form)`; call with tokens, segment_ids,
+    positions [b, s] int32. `remat` (config.REMAT_POLICIES) and `layer_loop` (LAYER_LOOPS) are how the
+    layers are executed, not what they compute: the run's layout chooses them
+    (descriptors.Parallelism.remat, .layer_loop)."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, remat: str = "none"):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, remat: str = "none", layer_loop: str = "auto"):
         if remat not in REMAT_POLICIES:
             raise ValueError(f"remat {remat!r} not in {REMAT_POLICIES}")
+        if layer_loop not in LAYER_LOOPS:
+            raise ValueError(f"layer_loop {layer_loop!r} not in {LAYER_LOOPS}")
         self.cfg = cfg
         self.remat = remat
         dtype = jnp.dtype(cfg.param_dtype)
@@ -60,8 +63,9 @@ class Decoder(nnx.Module):
                                  ("embed", "vocab"))
         # How the stacks and the loop's visits are iterated (kernels.backend.LAYER_LOOPS): 'auto' is a
         # scan on TPU/GPU and a Python loop on CPU. Both give the same numbers; XLA's cost analysis counts
-        # a while body once, so the FLOP test asks for 'unrolled'.
-        self.layer_loop = "auto"
+        # a while body once, so the FLOP test asks for 'unrolled'. The run's layout chooses it
+        # (descriptors.Parallelism.layer_loop; the layout search compiles both on TPU: compile/loop_form.py).
+        self.layer_loop = layer_loop
 
     def __call__(self, tokens: jax.Array, segment_ids: jax.Array, positions: jax.Array, *,
                  capture: bool = False):

@@ -222,7 +222,7 @@ class Phase:
     def plan(self):
         from smelt_jax.train import state as ts
         return ts.plan_training(self.parallelism.with_exchange(self.run.model), self.tx, self.mesh,
-                                remat=self.parallelism.remat)
+                                remat=self.parallelism.remat, layer_loop=self.parallelism.layer_loop)
 
     @functools.cached_property
     def steps(self) -> dict[str, Any]:

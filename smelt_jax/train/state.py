@@ -126,9 +126,9 @@ class TrainPlan:
                 jax.tree.map(with_sharding, self.abstract_opt_state, self.opt_shardings))
 
 
-def _decoder(cfg: ModelConfig, seed: int, remat: str = "none"):
+def _decoder(cfg: ModelConfig, seed: int, remat: str = "none", layer_loop: str = "auto"):
     from smelt_jax.model import Decoder
-    return Decoder(cfg, rngs=nnx.Rngs(seed), remat=remat)
+    return Decoder(cfg, rngs=nnx.Rngs(seed), remat=remat, layer_loop=layer_loop)
 
 
 def init_params(cfg: ModelConfig, seed: int, remat: str = "none") -> tuple[nnx.GraphDef, nnx.State]:
@@ -137,19 +137,21 @@ def init_params(cfg: ModelConfig, seed: int, remat: str = "none") -> tuple[nnx.G
     return nnx.split(_decoder(cfg, seed, remat))
 
 
-def abstract_train_state(cfg: ModelConfig, tx: optax.GradientTransformation, remat: str = "none"
-                         ) -> tuple[Any, dict]:
+def abstract_train_state(cfg: ModelConfig, tx: optax.GradientTransformation, remat: str = "none",
+                         layer_loop: str = "auto") -> tuple[Any, dict]:
     """(graphdef, {'params', 'opt_state'} as ShapeDtypeStructs without shardings): the checkpoint's
     structure, nothing allocated. `TrainPlan.restore_target` adds the mesh's shardings."""
-    graphdef, params = nnx.split(nnx.eval_shape(lambda: _decoder(cfg, 0, remat)))
+    graphdef, params = nnx.split(nnx.eval_shape(lambda: _decoder(cfg, 0, remat, layer_loop)))
     return graphdef, {"params": params, "opt_state": jax.eval_shape(tx.init, params)}
 
 
 def plan_training(cfg: ModelConfig, tx: optax.GradientTransformation, mesh: jax.sharding.Mesh, *,
-                  remat: str = "none") -> TrainPlan:
+                  remat: str = "none", layer_loop: str = "auto") -> TrainPlan:
     """Shapes and shardings of params and optimizer state for `cfg` on `mesh` (nothing allocated);
-    the train step runs its layers under the `remat` policy (the run's layout chooses it)."""
-    graphdef, abstract = abstract_train_state(cfg, tx, remat)
+    the train step runs its layers under the `remat` policy and as the `layer_loop` form (a scan or
+    unrolled: kernels.backend.LAYER_LOOPS); the run's layout chooses both, neither changes the
+    parameters or the checkpoint's structure."""
+    graphdef, abstract = abstract_train_state(cfg, tx, remat, layer_loop)
     abstract_params, abstract_opt_state = abstract["params"], abstract["opt_state"]
     params_shardings = sharding.param_shardings(abstract_params, mesh)
     opt_shardings = sharding.opt_state_shardings(tx, abstract_opt_state, params_shardings, mesh)
