@@ -154,7 +154,7 @@ def test_an_unreachable_gs_root_fails_fast_in_one_line(workdir, monkeypatch, cap
     assert sorted(p.name for p in workdir.iterdir()) == ["run.yaml"]
 
 
-def test_a_reachable_root_passes_the_probe(tmp_path, gcs_emulator):
+def test_a_reachable_root_passes_the_probe(tmp_path, gcs_emulator):  # noqa: F811 - the fixture
     storage.check_reachable(tmp_path)  # a local root: nothing to probe
     storage.check_reachable("gs://test-bucket/runs")  # the emulator answers: the probe passes
     storage.check_reachable("gs://test-bucket")

@@ -30,7 +30,8 @@ Refinements, also those of XLA's cost analysis, so that an op is charged what it
 - instructions that move nothing are free: parameter, constant, get-tuple-element, tuple, bitcast,
   the `while` / `conditional` / `call` / `async-start` wrappers (the computations they run are walked),
   after-all, partition-id, and the `AllocateBuffer` custom-call (an uninitialised buffer: what XLA:TPU
-  makes of a scan's zero-filled output stack when no other scan's stacks share its shape); reducers (`to_apply`) and fused computations are parts of one instruction.
+  makes of a scan's zero-filled output stack when no other scan's stacks share its shape); reducers
+  (`to_apply`) and fused computations are parts of one instruction.
 Async pairs (`*-start` / `*-done`) are charged once: operands at the start, result at the done.
 Mosaic kernels (`custom-call`) are charged their operands and results: a lower bound for kernels that
 re-read an operand (splash reads each key block once per query block it meets).
