@@ -109,6 +109,11 @@ def test_cpu_scale_numbers_are_the_committed_results():
     assert f"{ablations.min():+.3f} to {ablations.max():+.3f} nats" in text
     assert np.isfinite(ablations).all()
 
+    standing = pd.read_csv(FITS / "ladder" / "standing.csv").set_index("width")
+    for width in (96, 160):
+        assert standing.loc[width, "verdict"] == "SMELT trails"
+        assert f"d{width} (+{standing.loc[width, 'gap_10M']:.3f}" in text
+
 
 @pytest.mark.parametrize("command", ["make demo", "make test"])
 def test_the_two_commands_say_what_they_do_and_how_long(command):
