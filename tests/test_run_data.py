@@ -58,7 +58,9 @@ def test_train_refuses_before_writing_anything(tmp_path, capsys):
     corpus = build_tiny_corpus(tmp_path / "corpus")
     run = experiments.load_suite("smelt16")[0]
     runs = tmp_path / "runs"
-    assert main(["train", run.id, "--runs-dir", str(runs), "--data-dir", corpus.root, "--quiet"]) == 2
+    # a layout these 8 fake devices can form, so the data is what is refused (the mesh is checked first)
+    assert main(["train", run.id, "--runs-dir", str(runs), "--data-dir", corpus.root, "--quiet",
+                 "--layout", "data=-1,fsdp=1,expert=1,tensor=1"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "expects a hf tokenizer of exactly 65,536 ids" in err
     assert not runs.exists() or not any(runs.rglob("*"))

@@ -6,7 +6,6 @@ generated-block splice every generated doc uses (`replace_generated`). Moved out
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
 from smelt_jax.compile.breakdown import category_header, category_row
 from smelt_jax.compile.candidates import HBM_HEADROOM
@@ -14,8 +13,7 @@ from smelt_jax.compile.loop_form import loop_form_section
 from smelt_jax.compile.report import CompileReport
 from smelt_jax.platform.hardware import parse_slice
 
-if TYPE_CHECKING:
-    from smelt_jax.compile.layout_search import SearchResult
+# Results are layout_search.SearchResult values (not imported: layout_search imports this module).
 
 
 def _gib(value: float | None) -> str:
@@ -50,7 +48,7 @@ def _accounting(report: CompileReport) -> str:
     return " ".join(f"{short} {terms[key] / terms['budget']:+.2f}" for key, short in ACCOUNTING_SHORT.items())
 
 
-def table_row(result: SearchResult) -> str:
+def table_row(result) -> str:
     name = f"{result.key}"
     if result.status != "fits" or result.report is None:
         reason = result.status
@@ -88,13 +86,13 @@ def table_row(result: SearchResult) -> str:
             f"| {r.compile_seconds:.0f} |")
 
 
-def _loop_note(result: SearchResult) -> str:
+def _loop_note(result) -> str:
     """', unrolled' when the chosen layout's layer stacks are unrolled (a scan is the TPU's default)."""
     form = result.chosen.layer_loop if result.chosen is not None else "auto"
     return "" if form == "auto" else f", {form}"
 
 
-def _roofline_terms(results: list[SearchResult]) -> tuple[str, str, str]:
+def _roofline_terms(results: list) -> tuple[str, str, str]:
     """('459 TFLOP/s', '2765 GB/s HBM', '200 GB/s ICI per torus axis') from the hardware table when every
     result is on one chip."""
     chips = {parse_slice(r.slice).chip for r in results}
@@ -105,7 +103,7 @@ def _roofline_terms(results: list[SearchResult]) -> tuple[str, str, str]:
             f"{chip.ici_bytes_per_second / chip.torus_dims / 1e9:.0f} GB/s ICI per torus axis")
 
 
-def render_table(results: Iterable[SearchResult], command: str) -> str:
+def render_table(results: Iterable, command: str) -> str:
     results = list(results)
     fitted = sum(r.status == "fits" for r in results)
     peak, hbm, ici = _roofline_terms(results)
@@ -141,7 +139,7 @@ def render_table(results: Iterable[SearchResult], command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _categories(result: SearchResult) -> tuple[dict[str, float] | None, float | None]:
+def _categories(result) -> tuple[dict[str, float] | None, float | None]:
     r = result.report
     if result.status != "fits" or r is None or r.hbm_by_category is None:
         return None, None
