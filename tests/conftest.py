@@ -54,6 +54,8 @@ SLOW_IN_THE_FAST_TIER = (
     "tests/test_model_decoder.py::test_remat_does_not_change_gradients_and_the_loop_weights_learn",  # 56 s
     "tests/test_moe_buffers.py::test_sized_exchange_equals_the_dropless_reference[layout0-128-8-2-random-0.5-None-padded]",  # 13 s
     "tests/test_moe_buffers.py::test_sized_exchange_equals_the_dropless_reference[layout4-96-8-2-hot-0.3-1.0-padded]",  # 15 s
+    "tests/test_demo_report.py::test_table_that_cannot_be_fitted_is_reported",  # 109 s sharing one core
+    "tests/test_reliability_sweep.py::test_damaged_final_checkpoint_is_not_done_and_the_sweep_retrains_it",  # 82 s
     "tests/test_fit_isa.py::test_smoke_and_chinchilla_fits_are_the_same_bytes_at_avx2_and_at_the_default_isa",  # 62 s
     "tests/test_model_decoder.py::test_scanned_and_unrolled_layers_give_the_same_numbers[none]",  # 56 s
     "tests/test_model_decoder.py::test_the_loop_visits_do_not_stack_saved_activations_twice",  # 39 s
