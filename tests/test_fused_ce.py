@@ -19,6 +19,7 @@ from smelt_jax.kernels.backend import LOSS_IMPLS, choose_loss_impl
 from smelt_jax.model.loss import unembed_cross_entropy
 from smelt_jax.parallel.sharding import MESH_AXES
 from tests.platform_fakes import FakeMesh
+from tests.test_loss import assert_bf16_loss_matches
 
 # Small tiles so that the small inputs span several token and vocabulary tiles (and a padded last one), the
 # backward's vocabulary blocks two sub-tiles each.
@@ -104,14 +105,7 @@ def test_all_masked_gives_zero_loss_and_gradients_and_the_chunked_path_agrees_on
 def test_bf16_hidden_with_float32_unembedding_matches_within_bf16_tolerance():
     hidden, unembedding, targets, mask = _inputs(2, 40, 32, 257, seed=7, dtype=jnp.bfloat16)
     fused = lambda h, u: unembed_cross_entropy(h, u, targets, mask, impl="fused", tiles=TILES)[0]  # noqa: E731
-    ref = lambda h, u: _reference(h, u, targets, mask)  # noqa: E731
-    (got_loss, got), (want_loss, want) = (jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(hidden, unembedding)
-                                          for f in (fused, ref))
-    np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=1e-3)
-    assert got[0].dtype == jnp.bfloat16 and got[1].dtype == jnp.float32
-    for g, w in zip(got, want):
-        scale = float(jnp.max(jnp.abs(w.astype(jnp.float32))))
-        np.testing.assert_allclose(np.asarray(g, np.float32) / scale, np.asarray(w, np.float32) / scale, atol=2e-2)
+    assert_bf16_loss_matches(fused, lambda h, u: _reference(h, u, targets, mask), hidden, unembedding)
 
 
 @pytest.mark.parametrize("sizes", [(1, 2, 2, 2), (2, 2, 2, 1)])

@@ -58,9 +58,14 @@ def test_bf16_hidden_with_float32_unembedding_matches_within_bf16_tolerance():
     hidden, unembedding, targets, mask = _inputs(seed=1)
     hidden = hidden.astype(jnp.bfloat16)
     fused = lambda h, u: unembed_cross_entropy(h, u, targets, mask, chunk=16)[0]  # noqa: E731
-    ref = lambda h, u: _reference(h, u, targets, mask)  # noqa: E731
+    assert_bf16_loss_matches(fused, lambda h, u: _reference(h, u, targets, mask), hidden, unembedding)
+
+
+def assert_bf16_loss_matches(loss, reference, hidden, unembedding):
+    """`loss` and its gradients at bf16 hidden states against the f32 `reference`, within bf16 tolerance
+    (shared with tests/test_fused_ce.py)."""
     (got_loss, got), (want_loss, want) = (jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(hidden, unembedding)
-                                          for f in (fused, ref))
+                                          for f in (loss, reference))
     np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=1e-3)
     assert got[0].dtype == jnp.bfloat16 and got[1].dtype == jnp.float32
     for g, w in zip(got, want):
