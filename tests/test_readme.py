@@ -113,6 +113,8 @@ def test_cpu_scale_numbers_are_the_committed_results():
     for width in (96, 160):
         assert standing.loc[width, "verdict"] == "SMELT trails"
         assert f"d{width} (+{standing.loc[width, 'gap_10M']:.3f}" in text
+    assert standing.loc[128, "verdict"] == "tie"
+    assert f"ties at d128 ({standing.loc[128, 'gap_10M']:+.3f}" in text
 
 
 @pytest.mark.parametrize("command", ["make demo", "make test"])
