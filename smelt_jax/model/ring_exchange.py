@@ -17,9 +17,10 @@ E_l = E / n experts (n = size of `expert`; expert e lives on device e // E_l as 
    `moe_buffers.rows_per_destination(G, ...)`; None = the worst case G * min(k, E_l)); copies past it
    run in overflow passes of `moe_buffers.overflow_rows` rows, a loop of as many passes as this device
    needs. The loop holds no collective, so devices do not agree on a count.
-3. Each computed row, times its router weight, is scatter-added (float32) into its token's row of
-   y_partial [G, d], every pass into the same buffer in place; y_partial is cast to the compute dtype
-   and `psum_scatter`ed over `expert`: each device gets the sum over devices for its own T_l tokens.
+3. Each computed row, times its router weight, is scatter-added into its token's row of y_partial
+   [G, d] in the compute dtype (the weight cast to it and applied as the rows are added: no float32
+   [rows, d] or [G, d] array, no convert), every pass into the same buffer in place; y_partial is
+   `psum_scatter`ed over `expert`: each device gets the sum over devices for its own T_l tokens.
 
 Steps 2-3 are one custom VJP (`_local_experts`): the forward saves the first pass's expert rows in the
 compute dtype (no float32 [rows, d] residual); the backward gathers the cotangent's rows, and each pass
@@ -30,8 +31,11 @@ Per device and layer this sends (n - 1) T_l d elements twice (gather, reduce-sca
 all-to-alls of n C d elements (C = slack T_l k / n): 2 (n-1) T_l d against 2 slack k T_l d, e.g.
 14 T_l d against 24 T_l d at n = k = 8, slack 1.5. It computes the same rows (the local experts' copies).
 
-Precision: the expert rows in the compute dtype, combined in float32 per device; the reduce-scatter
-adds up to min(k, n) partial sums in the compute dtype (bfloat16 on TPU; exact sums in float32 tests).
+Precision: the expert rows, their weighted sum per device and the reduce-scatter's sum over devices are
+in the compute dtype (bfloat16 on TPU: a token's copies on one device, at most min(k, E_l) and about
+k / n, are added in bfloat16 as the reduce-scatter adds the devices' partial sums; float32 in the
+tests, which compare with the dense reference). Rows past a pass's copies gather a clamped token row
+(`take_rows_clamped`: one gather, no mask) whose output is dropped and whose cotangent is 0.
 
 The collectives sit under the named scope RING_SCOPE so the compile report can count them as the
 expert exchange (`compile.hlo_stats`) rather than as FSDP traffic.
@@ -46,7 +50,7 @@ from smelt_jax.kernels.backend import EXPERT_AXIS
 from smelt_jax.kernels.experts import expert_ffn
 from smelt_jax.model.dispatch import Dispatch, argsort_small_keys
 from smelt_jax.model.expert_exchange import run_sharded
-from smelt_jax.model.row_gather import take_rows
+from smelt_jax.model.row_gather import take_rows, take_rows_clamped
 from smelt_jax.model.moe_buffers import overflow_rows, round_up, rows_per_destination, worst_case_rows
 
 __all__ = ["RING_SCOPE", "ring_expert_outputs", "ring_fill", "ring_rows"]
@@ -95,22 +99,23 @@ def _window(order, counts, first, width: int, gathered: int, top_k: int):
 def _pass_forward(x_all, route_w, experts, window, *, capacity: int, impl: str):
     """One pass's rows: (y_sorted [W, d] in x's dtype, weight [W] float32, the ffn's VJP)."""
     group_sizes, copies, token, _ = window
-    x_sorted = take_rows(x_all, token)
+    x_sorted = take_rows_clamped(x_all, token)  # rows past the copies: dropped by the combine
     y_sorted, ffn_vjp = jax.vjp(
         lambda xs, *w: expert_ffn(xs, *w, group_sizes, impl=impl, capacity=capacity), x_sorted, *experts)
     return y_sorted, take_rows(route_w, copies), ffn_vjp
 
 
 def _combine(acc, y_sorted, weight, token):
-    """acc [G, d] float32 += weight * y_sorted at each row's token (in place; the dropped rows' token is G)."""
-    return acc.at[token].add(y_sorted.astype(jnp.float32) * weight[:, None], mode="drop")
+    """acc [G, d] += weight * y_sorted at each row's token, in y's dtype (in place; the dropped rows'
+    token is G)."""
+    return acc.at[token].add(y_sorted * weight[:, None].astype(y_sorted.dtype), mode="drop")
 
 
 def _pass_backward(g, y_sorted, weight, ffn_vjp, window, grads):
     """Adds one pass's cotangents into grads = (dx_all [G, d], droute_w [G k] f32, dw_gate, dw_up, dw_down)
     (in place: scatter-adds of the pass's rows only). g [G, d] is the cotangent of the combined rows."""
     _, copies, token, _ = window
-    g_rows = take_rows(g, token).astype(jnp.float32)  # 0 for dropped rows
+    g_rows = take_rows_clamped(g, token).astype(jnp.float32)  # dropped rows: weight 0, dweight dropped
     dweight = jnp.sum(g_rows * y_sorted.astype(jnp.float32), axis=1)
     dx_sorted, *dw = ffn_vjp((g_rows * weight[:, None]).astype(y_sorted.dtype))
     dx_all, droute_w, *dw_all = grads
@@ -124,7 +129,7 @@ def _local_experts(x_all, route_w, experts, order, counts, *, rows: int, extra: 
 
     x_all [G, d]; route_w [G k] float32 (0 for copies not computed here); experts (w_gate, w_up, w_down)
     [E_l, ...]; order [G k + max(rows, extra)] int32 (flat copy index of each sorted row, padded); counts
-    [E_l] -> y [G, d] in x_all's dtype, accumulated in float32.
+    [E_l] -> y [G, d] in x_all's dtype, accumulated in it.
 
     A first pass of `rows` sorted rows, then overflow passes of `extra` rows for the device's copies past
     it (a loop of data-dependent length; none when extra = 0). A custom VJP: the forward saves the first
@@ -144,7 +149,7 @@ def _local_experts(x_all, route_w, experts, order, counts, *, rows: int, extra: 
         first, over, n_passes = windows(order, counts)
         y_sorted, weight, ffn_vjp = _pass_forward(x_all, route_w, experts, first,
                                                   capacity=min(gathered, rows), **kw)
-        y = _combine(jnp.zeros(x_all.shape, jnp.float32), y_sorted, weight, first[2])
+        y = _combine(jnp.zeros(x_all.shape, y_sorted.dtype), y_sorted, weight, first[2])
 
         def overflow(q, y):
             w = over(q)
@@ -152,7 +157,7 @@ def _local_experts(x_all, route_w, experts, order, counts, *, rows: int, extra: 
             return _combine(y, y_q, weight_q, w[2])
         if extra:
             y = jax.lax.fori_loop(0, n_passes, overflow, y)
-        return y.astype(x_all.dtype), (y_sorted, weight, ffn_vjp)
+        return y.astype(x_all.dtype), (y_sorted, weight, ffn_vjp)  # y's dtype is x's: no convert
 
     @jax.custom_vjp
     def local(x_all, route_w, experts, order, counts):
