@@ -10,7 +10,7 @@ import pytest
 from smelt_jax.compile.breakdown import breakdown, category_row, format_breakdown
 from smelt_jax.compile.hbm_traffic import hbm_bytes, walk
 from smelt_jax.compile.hlo_layout import hbm_shape_bytes, is_on_chip
-from smelt_jax.compile.hlo_stats import parse_module
+from smelt_jax.compile.hlo_module import parse_module
 from smelt_jax.compile.overflow import overflow_passes, step_overflow_passes
 from smelt_jax.compile.walk_categories import CATEGORIES, OVERFLOW, classify, kind_of, op_name, scope_of
 from tests.hlo_walk_samples import CATEGORY_HLO, CATEGORY_OF, GATHER_SCATTER_HLO, OVERFLOW_HLO, VMEM_HLO

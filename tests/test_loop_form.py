@@ -22,6 +22,8 @@ from smelt_jax.design.descriptors import Parallelism
 from smelt_jax.parallel.layout import run_key
 
 SMELT16 = experiments.load_suite("smelt16")
+# the loop-form stage alone (the collectives stage after it: tests/test_collective_form.py)
+LOOPS = dataclasses.replace(SMELT16_POLICY, collectives=("auto",))
 
 
 def _run(key):
@@ -119,7 +121,7 @@ def test_unrolled_wins_where_it_is_faster_and_walks_its_own_remats(tmp_path):
     run = _run("100m/s95/baseline")
     steps = {**SCAN, ("none", "ring", "unrolled"): 0.094, ("dots", "ring", "unrolled"): 0.099}
     calls = []
-    result = ls.search_layout(run, _compiler(steps, calls), SMELT16_POLICY, cache_dir=tmp_path)
+    result = ls.search_layout(run, _compiler(steps, calls), LOOPS, cache_dir=tmp_path)
     # stages 1-2 as before (4 compiles), then unrolled at the ring from remat none; dots slower: stop
     assert calls == [("none", "ring", "auto"), ("none", "auto", "auto"), ("dots", "ring", "auto"),
                      ("full", "ring", "auto"), ("none", "ring", "unrolled"), ("dots", "ring", "unrolled")]
@@ -132,12 +134,12 @@ def test_unrolled_wins_where_it_is_faster_and_walks_its_own_remats(tmp_path):
     # the table marks the choice and gives each program's compile time
     table = ls.render_table([result], "smelt compile-report")
     assert "| none, unrolled |" in table
-    section = table[table.index("**Layer loop form**"):]
+    section = table[table.index("**Layer loop form and collectives**"):]
     assert "Compared for 1 configuration(s); the other 0" in section
     rows = [line for line in section.splitlines() if line.startswith("| 100m/s95/baseline |")]
-    assert rows == ["| 100m/s95/baseline | scan | full | 0.116 | 100 | 4.0 | 120 | fits |",
-                    "| 100m/s95/baseline | unrolled | none | 0.094 | 100 | 4.0 | 300 | **kept** |",
-                    "| 100m/s95/baseline | unrolled | dots | 0.099 | 100 | 4.0 | 300 | fits |"]
+    assert rows == ["| 100m/s95/baseline | scan | auto | full | 0.116 | 100 | 4.0 | 120 | fits |",
+                    "| 100m/s95/baseline | unrolled | auto | none | 0.094 | 100 | 4.0 | 300 | **kept** |",
+                    "| 100m/s95/baseline | unrolled | auto | dots | 0.099 | 100 | 4.0 | 300 | fits |"]
 
 
 def test_the_scan_is_kept_when_unrolled_is_slower_tied_or_without_headroom(tmp_path):
@@ -145,17 +147,17 @@ def test_the_scan_is_kept_when_unrolled_is_slower_tied_or_without_headroom(tmp_p
     steps = {**SCAN, ("none", "ring", "unrolled"): 0.130, ("dots", "ring", "unrolled"): 0.125,
              ("full", "ring", "unrolled"): 0.126}
     calls = []
-    slower = ls.search_layout(run, _compiler(steps, calls), SMELT16_POLICY, cache_dir=tmp_path / "a")
+    slower = ls.search_layout(run, _compiler(steps, calls), LOOPS, cache_dir=tmp_path / "a")
     # unrolled walks none -> dots (falls) -> full (rises: stop); its best, 0.125, loses to the scan's 0.1157
     assert calls[4:] == [("none", "ring", "unrolled"), ("dots", "ring", "unrolled"), ("full", "ring", "unrolled")]
     assert (slower.chosen.layer_loop, slower.chosen.remat) == ("auto", "full")
     assert "layer_loop" not in json.loads(ls.layouts_document([slower], "smelt16"))["layouts"]["100m/s95/smelt"]
     tie = {**SCAN, ("none", "ring", "unrolled"): 0.1157, ("dots", "ring", "unrolled"): 0.2}
-    assert ls.search_layout(run, _compiler(tie, []), SMELT16_POLICY, cache_dir=tmp_path / "b").chosen.layer_loop \
+    assert ls.search_layout(run, _compiler(tie, []), LOOPS, cache_dir=tmp_path / "b").chosen.layer_loop \
         == "auto"  # a tie: the scan, which compiles faster
     fast = {**SCAN, ("none", "ring", "unrolled"): 0.05, ("dots", "ring", "unrolled"): 0.06,
             ("full", "ring", "unrolled"): 0.07}
-    tight = ls.search_layout(run, _compiler(fast, [], headroom=lambda p: p.layer_loop == "auto"), SMELT16_POLICY,
+    tight = ls.search_layout(run, _compiler(fast, [], headroom=lambda p: p.layer_loop == "auto"), LOOPS,
                              cache_dir=tmp_path / "c")  # accepted, but over 95% of HBM: never kept
     assert tight.chosen.layer_loop == "auto" and tight.report.step_seconds == 0.1157
     assert [o.split(" (")[0] for _, o in tight.tried[-3:]] == ["over 95% of HBM"] * 3
@@ -190,7 +192,7 @@ def test_a_fresh_clone_reproduces_the_choice_from_the_ledger_without_compiling(t
     ledger, layouts, md = tmp_path / "compile_results.jsonl", tmp_path / "layouts.json", tmp_path / "p.md"
     kwargs = dict(suite="smelt16", json_out=layouts, results_out=ledger, markdown_out=md,
                   compile_fn=_compiler(steps, calls), trace_fn=_trace_fn)
-    ls.compile_suite(runs, SMELT16_POLICY, cache_dir=tmp_path / "cache", libtpu=(True, ""),
+    ls.compile_suite(runs, LOOPS, cache_dir=tmp_path / "cache", libtpu=(True, ""),
                      only=["100m/s95/baseline"], **kwargs)
     assert len(calls) == 6
     records = [json.loads(line) for line in ledger.read_text().splitlines()]
@@ -199,15 +201,15 @@ def test_a_fresh_clone_reproduces_the_choice_from_the_ledger_without_compiling(t
     assert {r["report"]["compile_seconds"] for r in unrolled} == {300.0}
     # The SMELT member's scan compiled, its unrolled program not (yet): its records enter the ledger
     # from the cache on the next report run, which compiles nothing.
-    scan_only = dataclasses.replace(SMELT16_POLICY, layer_loops=("auto",))
+    scan_only = dataclasses.replace(LOOPS, layer_loops=("auto",))
     ls.search_layout(runs[1], kwargs["compile_fn"], scan_only, cache_dir=tmp_path / "cache")
     assert len(calls) == 10
-    ls.compile_suite(runs, SMELT16_POLICY, cache_dir=tmp_path / "cache", cached_only=True, libtpu=(True, ""),
+    ls.compile_suite(runs, LOOPS, cache_dir=tmp_path / "cache", cached_only=True, libtpu=(True, ""),
                      **kwargs)
     assert len(calls) == 10 and len(ledger.read_text().splitlines()) == 10
     before = ledger.read_text()
     # Another machine: an empty cache, the ledger from git, cached results only.
-    fresh = ls.compile_suite(runs, SMELT16_POLICY, cache_dir=tmp_path / "fresh", cached_only=True,
+    fresh = ls.compile_suite(runs, LOOPS, cache_dir=tmp_path / "fresh", cached_only=True,
                              libtpu=(True, ""), **kwargs)
     assert len(calls) == 10  # nothing compiled
     baseline, smelt = fresh.results

@@ -14,7 +14,8 @@ from jax.sharding import PartitionSpec as P
 from smelt_jax.compile import aot
 from smelt_jax.compile import report as cr
 from smelt_jax.compile.hbm_traffic import hbm_bytes
-from smelt_jax.compile.hlo_stats import hlo_stats, shape_bytes
+from smelt_jax.compile.hlo_module import shape_bytes
+from smelt_jax.compile.hlo_stats import hlo_stats
 from smelt_jax.compile.program_flops import program_flops
 from smelt_jax.model.expert_exchange import buffer_fill
 from tests.hlo_samples import SYNTHETIC_HLO

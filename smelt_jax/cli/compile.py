@@ -1,5 +1,5 @@
 """`smelt compile RUN_ID --topology v5p-128 [--layout data=..,fsdp=..,expert=..] [--remat P] [--json]
-[--layer-loop scan|unrolled] [--hlo-out FILE] [--breakdown]`:
+[--layer-loop scan|unrolled] [--collectives auto|async] [--hlo-out FILE] [--breakdown]`:
 compile a run's train step for a TPU slice on this CPU and report memory, FLOPs,
 collectives, HBM traffic, the roofline step and its MFUs (optionally writing the compiled HLO, gzipped,
 and the HBM walk by category with its largest instructions);
@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+
+from smelt_jax.platform.xla_options import COLLECTIVE_FORMS
 
 
 def cmd_compile(args) -> int:
@@ -29,6 +31,8 @@ def cmd_compile(args) -> int:
         layout = dataclasses.replace(layout, exchange=args.exchange)
     if args.layer_loop:  # likewise --layer-loop (scan or unrolled layer stacks: compile/loop_form.py)
         layout = dataclasses.replace(layout, layer_loop=args.layer_loop)
+    if args.collectives:  # and --collectives (the compiler options: platform/xla_options.py)
+        layout = dataclasses.replace(layout, collectives=args.collectives)
     report = compile_run(run, args.topology, layout, remat=args.remat, hlo_path=args.hlo_out)
     ideal = for_run(run, args.topology, report.layout)  # the physical limit of this configuration and mesh
     if args.json:
@@ -54,6 +58,9 @@ def register(subparsers) -> None:
     p.add_argument("--layer-loop", choices=("auto", "scan", "unrolled"),
                    help="how the layer stacks run (default: the layout's, else 'auto': a scan on TPU; 'unrolled': "
                         "a Python loop over the layers, no saved-activation stacks; compile/loop_form.py)")
+    p.add_argument("--collectives", choices=COLLECTIVE_FORMS,
+                   help="the compiler options (default: the layout's, else 'auto': XLA's defaults; 'async': the "
+                        "ring's collectives overlapped with compute, platform/xla_options.py)")
     p.add_argument("--hlo-out", metavar="FILE",
                    help="write the compiled per-device HLO text here, gzip-compressed (e.g. step.hlo.gz)")
     p.add_argument("--breakdown", action="store_true",

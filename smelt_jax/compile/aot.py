@@ -128,14 +128,18 @@ def compile_for_tpu(
     *,
     static_argnums: Sequence[int] = (),
     donate_argnums: Sequence[int] = (),
+    compiler_options: dict[str, str] | None = None,
 ) -> tuple[Any, CompileSummary]:
     """Compile `fn(*abstract_args)` for the TPU devices of `mesh`; returns (compiled, summary).
 
     `abstract_args` are `jax.ShapeDtypeStruct`s (with or without shardings) or pytrees of them. Tracing
     happens inside `jax.set_mesh(mesh)`, so Pallas lowerings see the TPU device kind, not the host CPU.
-    Raises TpuOutOfMemory for HBM or VMEM overflows and TpuCompileError for other compiler errors.
+    `compiler_options`: XLA options for this compile (platform/xla_options.py). Raises TpuOutOfMemory
+    for HBM or VMEM overflows and TpuCompileError for other compiler errors.
     """
     jit_kwargs: dict[str, Any] = {"static_argnums": tuple(static_argnums), "donate_argnums": tuple(donate_argnums)}
+    if compiler_options:
+        jit_kwargs["compiler_options"] = dict(compiler_options)
     if in_shardings is not None:
         jit_kwargs["in_shardings"] = in_shardings
     if out_shardings is not None:

@@ -37,13 +37,15 @@ class Breakdown:
     overflow_passes: float  # expected passes per layer (what total charges)
     overflow_passes_worst: float
     top: tuple[TopRow, ...]
+    # walked bytes per execution of each instruction by name (`exchange_exposure` weighs async windows)
+    bytes_by_name: dict[str, float] = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     @property
     def total_worst(self) -> float:
         return self.total + (self.overflow_passes_worst - self.overflow_passes) * self.overflow_per_trip
 
     def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        return {k: v for k, v in dataclasses.asdict(self).items() if k != "bytes_by_name"}
 
 
 def breakdown(text: str, overflow_passes: tuple[float, float] = (1.0, 1.0), n_top: int = 25) -> Breakdown:
@@ -57,7 +59,7 @@ def breakdown(text: str, overflow_passes: tuple[float, float] = (1.0, 1.0), n_to
     top = tuple(TopRow(c.name, c.op, c.shape, c.op_name, c.category, c.times, c.total) for c in largest)
     return Breakdown(total=float(sum(by_category.values())), by_category=by_category,
                      overflow_per_trip=per_trip, overflow_passes=expected, overflow_passes_worst=worst,
-                     top=top)
+                     top=top, bytes_by_name={c.name: c.bytes for c in charges})
 
 
 def _short(text: str, width: int) -> str:

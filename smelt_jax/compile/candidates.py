@@ -13,6 +13,9 @@ REMAT_ORDER = ("none", "dots", "full")  # compile order (layout_search.search_la
 # The layer stacks' loop forms (kernels.backend.LAYER_LOOPS) the search compiles: the first ('auto', a scan
 # on TPU) through the staged search, the others at its winning exchange (compile/loop_form.py).
 LAYER_LOOP_ORDER = ("auto", "unrolled")
+# The compiler options' collectives forms (platform/xla_options.COLLECTIVE_FORMS): the first through
+# stages 1-3, the others on the kept program (compile/collective_form.py).
+COLLECTIVES_ORDER = ("auto", "async")
 
 # A layout is kept when the compiler accepts it with its peak under HBM (`CompileReport.peak_fits_hbm`)
 # *and* arguments + temporaries (a bound that ignores their live-range overlap, so above the compiler's
@@ -42,6 +45,8 @@ class SearchPolicy:
     # layer loop forms: the first searched as above, each other one at the winning exchange; the faster
     # program that fits is kept (compile/loop_form.py). Every suite's search compiles both.
     layer_loops: Sequence[str] = LAYER_LOOP_ORDER
+    # compiler options: the first searched as above, each other one on the kept program
+    collectives: Sequence[str] = COLLECTIVES_ORDER
 
     def slice_for(self, run: RunSpec) -> str:
         if run.scale not in self.scale_slices:
@@ -59,16 +64,19 @@ class Candidate:
         p = self.layout
         exchange = "" if p.exchange == "auto" else f",exchange={p.exchange}"
         loop = "" if p.layer_loop == "auto" else f",layers={p.layer_loop}"
-        return f"data={p.data},fsdp={p.fsdp},expert={p.expert},tensor={p.tensor},remat={p.remat}{exchange}{loop}"
+        collectives = "" if p.collectives == "auto" else f",collectives={p.collectives}"
+        return (f"data={p.data},fsdp={p.fsdp},expert={p.expert},tensor={p.tensor},remat={p.remat}{exchange}{loop}"
+                f"{collectives}")
 
 
 def candidates(run: RunSpec, slice_name: str, expert_axis_sizes: Sequence[int] = (8,),
-               exchanges: Sequence[str] = ("auto",), layer_loops: Sequence[str] = ("auto",)) -> list[Candidate]:
+               exchanges: Sequence[str] = ("auto",), layer_loops: Sequence[str] = ("auto",),
+               collectives: Sequence[str] = ("auto",)) -> list[Candidate]:
     """Ordered candidate layouts for `run` on `slice_name`: expert over each of `expert_axis_sizes`,
     fsdp over the largest share of the rest that divides d_model, data over what is left; remat none ->
-    dots -> full, each with every one of `exchanges` in every one of `layer_loops` (one expert size's
-    candidates are adjacent: the search compares them). Expert sizes that do not divide the expert count
-    or the chip count are skipped.
+    dots -> full, each with every one of `exchanges` in every one of `layer_loops`, each with every one
+    of `collectives` (one expert size's candidates are adjacent: the search compares them). Expert sizes
+    that do not divide the expert count or the chip count are skipped.
 
     fsdp must divide d_model (the `embed` dimension it shards): otherwise `fit_spec` replicates every
     weight over fsdp (measured: 1.6B S97 SMELT, d 1848, needed 133-143 GB per chip at fsdp 16 and 32).
@@ -82,8 +90,9 @@ def candidates(run: RunSpec, slice_name: str, expert_axis_sizes: Sequence[int] =
         fsdp = max(f for f in range(1, rest + 1) if rest % f == 0 and run.model.d_model % f == 0)
         for remat in REMAT_ORDER:
             out += [Candidate(Parallelism(data=rest // fsdp, fsdp=fsdp, expert=expert, tensor=1,
-                                          tpu_type=slice_name, remat=remat, exchange=exchange, layer_loop=loop))
-                    for loop in layer_loops for exchange in exchanges]
+                                          tpu_type=slice_name, remat=remat, exchange=exchange, layer_loop=loop,
+                                          collectives=form))
+                    for loop in layer_loops for exchange in exchanges for form in collectives]
     if not out:
         raise ValueError(f"{run.id}: no candidate layout for {run.model.n_experts} experts on {slice_name}")
     return out

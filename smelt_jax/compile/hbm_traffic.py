@@ -8,7 +8,7 @@
 The method (docs/roofline.md): every *top-level* instruction -- one of a computation that runs as a
 program step (ENTRY, a `while` body or condition, a conditional branch, a called computation), not one
 inside a fusion -- reads its operands from HBM and writes its result there. Its bytes are operand bytes
-+ result bytes, times the number of times its computation runs (`hlo_stats.execution_counts`: a `while`
++ result bytes, times the number of times its computation runs (`hlo_module.execution_counts`: a `while`
 body x its trip count, from `known_trip_count` in the loop's backend_config, else the condition's
 constant). That is the convention of XLA's own `cost_analysis()["bytes accessed"]`, which however counts
 each loop body once (tests/test_program_costs.py checks the two agree on loop-free programs).
@@ -28,16 +28,19 @@ Refinements, also those of XLA's cost analysis, so that an op is charged what it
 - a `gather` reads the rows it gathers (its result) and its indices, and writes its result; a
   `scatter` reads its indices and updates and writes the rows it updates (the updates' size);
 - instructions that move nothing are free: parameter, constant, get-tuple-element, tuple, bitcast,
-  the `while` / `conditional` / `call` / `async-start` wrappers (the computations they run are walked),
+  the `while` / `conditional` / `call` / `async-start` / `call-start` wrappers (the computations they run
+  are walked: a SparseCore offload's too, since issue 50; walks before left them out, 0.39 of 244.7 GB
+  in the 100M S95 SMELT program),
   after-all, partition-id, and the `AllocateBuffer` custom-call (an uninitialised buffer: what XLA:TPU
   makes of a scan's zero-filled output stack when no other scan's stacks share its shape); reducers
   (`to_apply`) and fused computations are parts of one instruction.
-Async pairs (`*-start` / `*-done`) are charged once: operands at the start, result at the done.
+Async pairs (`*-start` / `*-done`) are charged once: operands at the start, result at the done; so are
+multi-step chains (`hlo_async.Chain`), whose continuation fusions are charged only the work fused in.
 Mosaic kernels (`custom-call`) are charged their operands and results: a lower bound for kernels that
 re-read an operand (splash reads each key block once per query block it meets).
 
 A `while` whose trip count the text does not state (the MoE exchange's overflow passes: as many as the
-fullest block needs, `hlo_stats.data_dependent_computations`) runs `overflow_trips` times: its charges
+fullest block needs, `hlo_module.data_dependent_computations`) runs `overflow_trips` times: its charges
 are flagged `data_dependent` and filed under the category `overflow loop`, and `overflow_per_trip` is
 what one more trip adds. Every other instruction is filed by `walk_categories.classify`; the categories
 sum to the total exactly.
@@ -49,8 +52,10 @@ import dataclasses
 import re
 from collections import defaultdict
 
+from smelt_jax.compile import hlo_async
 from smelt_jax.compile.hlo_layout import hbm_shape_bytes
-from smelt_jax.compile.hlo_stats import Instruction, data_dependent_computations, execution_counts, parse_module
+from smelt_jax.compile.hlo_module import (COLLECTIVE_KINDS, Instruction, data_dependent_computations,
+                                          execution_counts, parse_module)
 from smelt_jax.compile.walk_categories import CATEGORIES, OVERFLOW, classify, kind_of, op_name
 
 FREE_OPS = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while",
@@ -181,9 +186,41 @@ def _nested_in_place(output: Instruction, params: dict[str, int],
     return params[targets[0]], update_bytes
 
 
+def _chain_step_bytes(instruction: Instruction, fused: list[Instruction], operand_bytes: list[float],
+                      result: float) -> float:
+    """HBM bytes of one step of a multi-step collective chain (`hlo_async.Chain`): the start reads the
+    collective's input, the done writes its result (as a `*-start` / `*-done` pair), and a continuation
+    step moves only the work fused into it: the collective's state (its input, its result buffer, sync
+    words), which each step takes and hands on, is not read or written by the step."""
+    target = hlo_async.root_target(fused)
+    if target == hlo_async.CHAIN_START:
+        return float(sum(operand_bytes))
+    if target == hlo_async.CHAIN_DONE:
+        return result
+    by_name = {i.name: i for i in fused}
+    root = fused[-1] if fused else None
+    state: set[str] = set()
+    for inner in fused:
+        if hlo_async.collective_kind(inner.op) in COLLECTIVE_KINDS:
+            state.add(inner.name)
+            state.update(operands(inner))
+    params = {}
+    for inner in fused:
+        if inner.op == "parameter" and _PARAMETER.match(inner.rest):
+            params[int(_PARAMETER.match(inner.rest).group(1))] = inner.name
+    used = {n for i in fused if i is not root and i.name not in state for n in operands(i)}
+    moved = sum(b for index, b in enumerate(operand_bytes) if params.get(index) in used)
+    if root is not None and root.op == "tuple":
+        moved += sum(hbm_shape_bytes(by_name[n].shape) for n in operands(root)
+                     if n in by_name and n not in state and by_name[n].op != "parameter")
+    return float(moved)
+
+
 def instruction_bytes(instruction: Instruction, shapes: dict[str, str],
-                      computations: dict[str, list[Instruction]]) -> float:
-    """HBM bytes one execution of a top-level instruction moves (see the module docstring)."""
+                      computations: dict[str, list[Instruction]], chain_steps: frozenset[str] = frozenset(),
+                      ) -> float:
+    """HBM bytes one execution of a top-level instruction moves (see the module docstring); `chain_steps`:
+    the computations of multi-step collective chains' fusions (`hlo_async.collective_chains`)."""
     op = instruction.op
     if op in FREE_OPS or op in ASYNC_WRAPPERS or (op == "custom-call" and _ALLOCATE in instruction.rest):
         return 0.0
@@ -205,6 +242,8 @@ def instruction_bytes(instruction: Instruction, shapes: dict[str, str],
         return indices + 2.0 * updates
     if op == "fusion":
         called = re.search(r"\bcalls=%([\w.\-]+)", instruction.rest)
+        if called and called.group(1) in chain_steps:
+            return _chain_step_bytes(instruction, computations[called.group(1)], operand_bytes, result)
         charges, in_place = (_fused_charges(computations.get(called.group(1), []), computations) if called
                              else ({}, None))
         operand_bytes = [charges.get(i, b) for i, b in enumerate(operand_bytes)]
@@ -227,9 +266,11 @@ def _walk(text: str, overflow_trips: float) -> tuple[list[Charge], list[int | No
     inner = set()  # fused computations and reducers: parts of one instruction, not program steps
     for instructions in computations.values():
         for instruction in instructions:
-            inner.update(re.findall(r"\bto_apply=%([\w.\-]+)", instruction.rest))
+            if instruction.op != "call-start":  # a call-start's to_apply is a program (a SparseCore's)
+                inner.update(re.findall(r"\bto_apply=%([\w.\-]+)", instruction.rest))
             if instruction.op in ("fusion", "custom-call"):
                 inner.update(re.findall(r"\bcalls=%([\w.\-]+)", instruction.rest))
+    chain_steps = frozenset(hlo_async.collective_chains(computations))
     out: list[Charge] = []
     per_trip = 0.0
     for name, instructions in computations.items():
@@ -238,7 +279,7 @@ def _walk(text: str, overflow_trips: float) -> tuple[list[Charge], list[int | No
             continue
         shapes = {i.name: i.shape for i in instructions}
         for instruction in instructions:
-            moved = instruction_bytes(instruction, shapes, computations)
+            moved = instruction_bytes(instruction, shapes, computations, chain_steps)
             if not moved:
                 continue
             label = op_name(instruction, computations)

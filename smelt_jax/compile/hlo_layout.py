@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import re
 
-from smelt_jax.compile.hlo_stats import DTYPE_BYTES
+from smelt_jax.compile.hlo_module import DTYPE_BYTES
 
 _ARRAY_WITH_LAYOUT = re.compile(
     r"\b(" + "|".join(sorted(DTYPE_BYTES, key=len, reverse=True)) + r")\[([\d,]*)\](\{[^{}]*\})?")

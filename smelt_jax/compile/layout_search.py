@@ -37,7 +37,8 @@ from smelt_jax.compile.candidates import (HBM_HEADROOM, Candidate, SearchPolicy,
 from smelt_jax.compile.checkpoint_cadence import cadence_document, save_bytes
 from smelt_jax.compile.layout_table import (BEGIN, END, TABLE_HEADER, render_table,  # noqa: F401 (re-exported)
                                             replace_generated, table_row)
-from smelt_jax.compile.loop_form import best_form, faster
+from smelt_jax.compile.collective_form import best_collectives
+from smelt_jax.compile.loop_form import best_form, faster, form_chain
 from smelt_jax.compile.overflow import step_overflow_passes
 from smelt_jax.compile.results_ledger import Ledger, report_from_dict
 from smelt_jax.compile.report import (
@@ -166,8 +167,8 @@ class SearchResult:
     report: CompileReport | None  # the chosen layout's report, else the last one tried
     tried: tuple[tuple[str, str], ...]  # (candidate label, outcome) in order
     status: str  # "fits" | "does not fit" | "not compiled (...)"
-    # the loop-form comparison (`loop_form.best_form`): (layout, report) of the scan's winner, then of
-    # every other-form compile; () or the winner alone when no other form was compiled
+    # the loop-form and collectives comparisons (`loop_form.best_form`, `collective_form.best_collectives`):
+    # (layout, report) of the scan's winner, then of every other-form compile; () when none was compiled
     compared: tuple = ()
 
 
@@ -184,7 +185,9 @@ def search_layout(run: RunSpec, compile_fn: Callable[..., CompileReport], policy
        none 0.117 s, dots 0.112, full 0.111; S0 SMELT 0.199, 0.194, 0.198, docs/performance.md);
     3. with stages 1-2 in the first of `policy.layer_loops` (the scan), each other loop form (unrolled)
        at the winning exchange: its first remat that fits, then while the step falls; the faster program
-       that fits is kept (ties: the scan; `loop_form.best_form`, recorded in `SearchResult.compared`).
+       that fits is kept (ties: the scan; `loop_form.best_form`, recorded in `SearchResult.compared`);
+    4. the kept program once more with each other collectives form (compiler options: 'async'); the
+       faster that fits is kept (ties: 'auto'; `collective_form.best_collectives`, also in `compared`).
 
     That is 4 compiles (+ 1-3 for stage 3) for a configuration whose 'none' fits (not the 6 of every pair), and the same
     choice as comparing all six on the 100M pairs measured so far. The first expert size with a fitting
@@ -213,12 +216,11 @@ def search_layout(run: RunSpec, compile_fn: Callable[..., CompileReport], policy
         return report
 
     loops = policy.layer_loops
-    cands = candidates(run, slice_name, policy.expert_axis_sizes, policy.exchanges, loops)
+    cands = candidates(run, slice_name, policy.expert_axis_sizes, policy.exchanges, loops, policy.collectives)
     for _, group in itertools.groupby(cands, key=lambda c: dataclasses.replace(
-            c.layout, exchange="auto", remat="none", layer_loop="auto")):
+            c.layout, exchange="auto", remat="none", layer_loop="auto", collectives="auto")):
         group = list(group)
-        chains = [[c for c in group if c.layout.exchange == exchange and c.layout.layer_loop == loops[0]]
-                  for exchange in policy.exchanges]
+        chains = [form_chain(group, exchange, loops[0]) for exchange in policy.exchanges]
         firsts = []  # (chain, position, candidate, report) of each exchange's first fitting remat
         for n, chain in enumerate(chains):
             for position, candidate in enumerate(chain):
@@ -244,6 +246,8 @@ def search_layout(run: RunSpec, compile_fn: Callable[..., CompileReport], policy
                 break
             candidate, report = following, next_report
         candidate, report, compared = best_form(group, candidate, report, loops, attempt)  # 3. the loop form
+        candidate, report, compared = best_collectives(candidate, report, policy.collectives, attempt,
+                                                       compared)  # 4. the compiler options
         return SearchResult(run_key(run), run.id, slice_name, candidate.layout, report, tuple(tried), "fits",
                             compared)
     return SearchResult(run_key(run), run.id, slice_name, None, last, tuple(tried), "does not fit")
@@ -316,7 +320,7 @@ def compile_suite(runs: Sequence[RunSpec], policy: SearchPolicy, *, suite: str,
     ledger = Ledger.load(results_out)
     names = {run_key(run): [(c, cache_path(run, c, cache_dir)) for c in
                             candidates(run, policy.slice_for(run), policy.expert_axis_sizes, policy.exchanges,
-                                       policy.layer_loops)]
+                                       policy.layer_loops, policy.collectives)]
              for run in runs}
     ledger.keep_only({path.name for listed in names.values() for _, path in listed})
     start = time.perf_counter()

@@ -34,8 +34,10 @@ Attempt = Callable[[Candidate], Any]  # a candidate -> its CompileReport, or Non
 
 
 def form_chain(group: Iterable[Candidate], exchange: str, layer_loop: str) -> list[Candidate]:
-    """The candidates of one expert size at `exchange` with `layer_loop`, in remat order."""
-    return [c for c in group if c.layout.exchange == exchange and c.layout.layer_loop == layer_loop]
+    """The candidates of one expert size at `exchange` with `layer_loop` (XLA's default collectives), in
+    remat order."""
+    return [c for c in group if c.layout.exchange == exchange and c.layout.layer_loop == layer_loop
+            and c.layout.collectives == "auto"]
 
 
 def faster(report, than) -> bool:
@@ -92,7 +94,7 @@ def _row(key: str, layout, report, kept: bool) -> str:
     memory = ("?" if report.argument_bytes is None else
               f"{((report.argument_bytes or 0) + (report.temp_bytes or 0)) / 2**30:.1f}")
     verdict = "**kept**" if kept else ("fits" if fits else "does not fit")
-    return (f"| {key} | {_form(layout)} | {layout.remat} | {step} | {walked} | {memory} "
+    return (f"| {key} | {_form(layout)} | {layout.collectives} | {layout.remat} | {step} | {walked} | {memory} "
             f"| {report.compile_seconds:.0f} | {verdict} |")
 
 
@@ -103,16 +105,18 @@ def loop_form_section(results: Iterable[Any]) -> list[str]:
     results = list(results)
     compared = [r for r in results if len(getattr(r, "compared", ())) > 1]
     waiting = sum(r.status == "fits" and len(getattr(r, "compared", ())) <= 1 for r in results)
-    lines = ["", f"**Layer loop form** (`compile/loop_form.py`, issue 50 item 2): the winning exchange's program "
-             "with its layer stacks a scan (the TPU's default, through the search above) and unrolled (from its "
-             "first remat that fits, then while the step falls); the faster program that fits is kept and "
-             "recorded as the layout's `layer_loop`. Compared for "
-             f"{len(compared)} configuration(s); the other {waiting} that fit keep their scan programs until "
-             "`make compile-report` compiles their unrolled ones."]
+    lines = ["", f"**Layer loop form and collectives** (`compile/loop_form.py`, `compile/collective_form.py`, "
+             "issue 50 items 2 and 5): the winning exchange's program with its layer stacks a scan (the TPU's "
+             "default, through the search above) and unrolled (from its first remat that fits, then while the step "
+             "falls), then the kept one compiled with the 'async' collectives options "
+             "(platform/xla_options.py); the faster program that fits is kept and recorded as the layout's "
+             f"`layer_loop` and `collectives`. Compared for {len(compared)} configuration(s); the other {waiting} "
+             "that fit keep their scan programs with XLA's default options until `make compile-report` compiles "
+             "the others."]
     if not compared:
         return lines
-    lines += ["", "| config | layers | remat | step >= s | HBM GB walked | args+temps GiB | compile s | |",
-              "|---|---|---|---|---|---|---|---|"]
+    lines += ["", "| config | layers | collectives | remat | step >= s | HBM GB walked | args+temps GiB | compile s | |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for result in compared:
         for layout, report in result.compared:
             lines.append(_row(result.key, layout, report, kept=layout == result.chosen))

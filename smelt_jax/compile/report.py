@@ -38,10 +38,13 @@ from smelt_jax.parallel import sharding
 from smelt_jax.compile import aot, checkpoint_cadence
 from smelt_jax.compile.overflow import step_overflow_passes
 from smelt_jax.compile.breakdown import Breakdown, TopRow, breakdown
-from smelt_jax.compile.hlo_stats import COLLECTIVE_KINDS, EXCHANGE_KINDS, hlo_stats
+from smelt_jax.compile.exchange_exposure import exposed_exchange_seconds
+from smelt_jax.compile.hlo_module import COLLECTIVE_KINDS
+from smelt_jax.compile.hlo_stats import EXCHANGE_KINDS, hlo_stats
 from smelt_jax.compile.program_flops import ProgramFlops, program_flops
 from smelt_jax.design.descriptors import Parallelism, RunSpec
 from smelt_jax.platform.hardware import Slice, parse_slice
+from smelt_jax.platform.xla_options import compiler_options
 from smelt_jax.kernels import splash
 from smelt_jax.kernels.backend import (choose_attention_backend, choose_expert_backend, choose_expert_exchange,
                                        choose_layer_loop)
@@ -108,6 +111,7 @@ class CompileReport:
     # ICI_ACCOUNTING of the collective figures (0: the ring exchange sent n/n of a group; `upgrade_ici`)
     ici_accounting: int = 0
     layer_loop: str | None = None  # 'scan' or 'unrolled' (None: compiled before it was recorded: a scan)
+    collective_form: str | None = None  # the compiler options' form (None: before it was recorded: 'auto')
 
     def breakdown(self) -> Breakdown | None:
         """The walk's breakdown kept in this report (None before ANALYSIS_VERSION 4)."""
@@ -147,7 +151,7 @@ ANALYSIS_VERSION = 7  # 3: the HBM walk charges in-place updates in multi-output
 # ring's (exposed) when it scatters a ring all-gather's shape (hlo_stats._scatter_fusions)
 # The collectives' accounting, versioned apart so the ledger's records (no HLO kept) are recomputed from
 # what they store, not compiled again: `upgrade_ici`. 1: the ring exchange sends (n-1)/n of a group of n
-# (issue 50); async collectives counted once in every form XLA:TPU emits (hlo_stats._counted_source).
+# (issue 50); async collectives counted once in every form XLA:TPU emits (hlo_async.counted_source).
 ICI_ACCOUNTING = 1
 
 
@@ -190,14 +194,10 @@ def analyse(report: CompileReport, program_flops_by_kind: dict[str, float] | Non
                        / tpu.ici_bytes_per_second_for_group(group or devices)
                        for kind, group, sent in stats.send_bytes_by_group if kind in kinds)
 
-        # the expert exchange's own collectives (all-to-all kinds, or the ring's all-gather / reduce-scatter)
-        exchange_raw = sum(sent for _, _, sent in stats.exchange_send_bytes_by_group)
-        exchange_seconds = sum(sent * (pallas_fill if kind == "ragged-all-to-all" else 1.0)
-                               / tpu.ici_bytes_per_second_for_group(group or devices)
-                               for kind, group, sent in stats.exchange_send_bytes_by_group)
-        exposed = exchange_seconds * stats.exchange_exposed_bytes / exchange_raw if exchange_raw else 0.0
         ici = ici_seconds()
         walked = breakdown(hlo_text, overflow_passes)
+        # the expert exchange's own collectives (all-to-all kinds, or the ring's all-gather / reduce-scatter)
+        exposed = exposed_exchange_seconds(stats, walked.bytes_by_name, tpu, pallas_fill)
         traffic = walked.total
         fields.update(collectives=stats.static_counts, executed_collectives=stats.collective_counts,
                       collective_bytes=stats.collective_bytes,
@@ -284,6 +284,7 @@ class _Program:
     cfg: Any
     remat: str
     layer_loop: str  # 'scan' or 'unrolled' (the layout's, 'auto' resolved for a TPU)
+    collectives: str  # the layout's collectives form (platform/xla_options.py)
     step: Any
     args: tuple
     in_shardings: tuple
@@ -311,7 +312,7 @@ def _program(run: RunSpec, slice_name: str, layout: Parallelism | None, remat: s
     in_shardings, out_shardings = plan.step_shardings(schedule.batch_size, schedule.seq_len)
     return _Program(
         tpu=tpu, mesh=mesh, cfg=cfg, remat=remat, layer_loop=choose_layer_loop(layout.layer_loop, "tpu"),
-        step=make_train_step(plan.graphdef, cfg, tx),
+        collectives=layout.collectives, step=make_train_step(plan.graphdef, cfg, tx),
         args=(params, opt_state, batch, lr), in_shardings=in_shardings, out_shardings=out_shardings,
         budget_flops=budget_lib.train_flops_per_token(cfg) * schedule.tokens_per_step / mesh.size,
         conventional_flops=conventional_train_flops(cfg, schedule.tokens_per_step / mesh.size))
@@ -361,12 +362,14 @@ def compile_run(run: RunSpec, slice_name: str, layout: Parallelism | None = None
     tpu, cfg = program.tpu, program.cfg
     base = {"run_id": run.id, "suite": run.suite, "slice": slice_name, "layout": dict(program.mesh.shape),
             "remat": program.remat, "expert_exchange": cfg.expert_exchange, "layer_loop": program.layer_loop,
+            "collective_form": program.collectives,
             "expert_impl": cfg.expert_impl, "hbm_bytes": tpu.hbm_bytes}
     start = time.perf_counter()
     try:
         compiled, summary = aot.compile_for_tpu(
             program.step, program.args, program.mesh, in_shardings=program.in_shardings,
-            out_shardings=program.out_shardings, donate_argnums=(0, 1))
+            out_shardings=program.out_shardings, donate_argnums=(0, 1),
+            compiler_options=compiler_options(program.collectives, "tpu"))
     except aot.TpuOutOfMemory as err:
         return CompileReport(**base, peak_fits_hbm=False, error=_first_line(err),
                              compile_seconds=time.perf_counter() - start)

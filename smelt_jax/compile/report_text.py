@@ -14,6 +14,7 @@ def format_report(report, with_breakdown: bool = False, ideal=None) -> str:
     lines = [(f"{report.run_id} on {report.slice}, layout {report.layout}, remat {report.remat}, "
              f"experts {report.expert_impl}, exchange {report.expert_exchange}"
               + (f", layers {report.layer_loop}" if report.layer_loop else "")
+              + (f", collectives {report.collective_form}" if report.collective_form not in (None, "auto") else "")
               + f": compiled in {report.compile_seconds:.1f} s")]
     if not report.peak_fits_hbm and report.peak_bytes is None:
         lines.append(f"  OUT OF MEMORY: {report.error}")

@@ -33,7 +33,8 @@ from __future__ import annotations
 
 import re
 
-from smelt_jax.compile.hlo_stats import COLLECTIVE_KINDS, EXCHANGE_KINDS, Instruction
+from smelt_jax.compile.hlo_module import COLLECTIVE_KINDS, Instruction
+from smelt_jax.compile.hlo_stats import EXCHANGE_KINDS
 
 OVERFLOW = "overflow loop"
 CATEGORIES = ("expert exchange", "permutations / gathers / scatters", "expert kernels", "residual stacks",

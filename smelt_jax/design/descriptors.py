@@ -87,9 +87,17 @@ class Parallelism:
     # the layout search may pick 'unrolled' per configuration (compile/loop_form.py). Left out of
     # `to_dict` at 'auto' like `exchange`; never part of a run id (`RunSpec.content_hash`).
     layer_loop: str = "auto"
+    # The XLA options the step compiles with (platform.xla_options.COLLECTIVE_FORMS): 'auto' = XLA's
+    # defaults; the layout search may pick 'async' (collectives overlapped with compute on TPU,
+    # compile/collective_form.py). Left out of `to_dict` at 'auto'; never part of a run id.
+    collectives: str = "auto"
 
     def __post_init__(self) -> None:
         from smelt_jax.kernels.backend import EXPERT_EXCHANGES, LAYER_LOOPS
+        from smelt_jax.platform.xla_options import COLLECTIVE_FORMS
+
+        if self.collectives not in COLLECTIVE_FORMS:
+            raise ConfigError(f"Parallelism.collectives {self.collectives!r} not in {COLLECTIVE_FORMS}")
 
         if self.exchange not in EXPERT_EXCHANGES:
             raise ConfigError(f"Parallelism.exchange {self.exchange!r} not in {EXPERT_EXCHANGES}")
@@ -108,7 +116,7 @@ class Parallelism:
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
-        for field in ("exchange", "layer_loop"):
+        for field in ("exchange", "layer_loop", "collectives"):
             if out[field] == "auto":
                 del out[field]
         return out

@@ -234,7 +234,8 @@ class Phase:
         peak, peak_source = options.peak_flops, "given"
         if peak is None:
             peak, peak_source = peak_flops_per_device()
-        return {"train": ts.jit_train_step(plan, self.tx, schedule.batch_size, schedule.seq_len),
+        return {"train": ts.jit_train_step(plan, self.tx, schedule.batch_size, schedule.seq_len,
+                                           collectives=self.parallelism.collectives),
                 "eval": ts.jit_eval_step(plan, options.eval_batch_size, schedule.seq_len),
                 # Which rows of a global batch this process feeds depends on the mesh.
                 "eval_host": ts.host_split(plan, options.eval_batch_size, schedule.seq_len),

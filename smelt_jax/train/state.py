@@ -29,6 +29,7 @@ from flax import nnx
 from smelt_jax.parallel import sharding
 from smelt_jax.design.config import ModelConfig
 from smelt_jax.train.step import make_eval_step, make_train_step
+from smelt_jax.platform.xla_options import compiler_options
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -170,13 +171,16 @@ def init_state(plan: TrainPlan, tx: optax.GradientTransformation, seed: int) -> 
 
 
 def jit_train_step(plan: TrainPlan, tx: optax.GradientTransformation, batch_size: int,
-                   seq_len: int, *, donate: bool = True):
+                   seq_len: int, *, donate: bool = True, collectives: str = "auto"):
     """train_step(params, opt_state, batch, lr) -> (params, opt_state, metrics), jitted with input and
-    output shardings (metrics replicated). Call it inside `jax.set_mesh(plan.mesh)`: the model's
-    activation constraints apply only while a mesh is set."""
+    output shardings (metrics replicated) and the compiler options of the layout's `collectives` form
+    (platform/xla_options.py). Call it inside `jax.set_mesh(plan.mesh)`: the model's activation
+    constraints apply only while a mesh is set."""
     in_shardings, out_shardings = plan.step_shardings(batch_size, seq_len)
+    platform = plan.mesh.devices.flat[0].platform
     return jax.jit(make_train_step(plan.graphdef, plan.cfg, tx), in_shardings=in_shardings,
-                   out_shardings=out_shardings, donate_argnums=(0, 1) if donate else ())
+                   out_shardings=out_shardings, donate_argnums=(0, 1) if donate else (),
+                   compiler_options=compiler_options(collectives, platform) or None)
 
 
 def jit_eval_step(plan: TrainPlan, batch_size: int, seq_len: int):
