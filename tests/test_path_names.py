@@ -31,6 +31,7 @@ NOT_A_PATH = {
     (Parallelism, "remat"): "one of config.REMAT_POLICIES",
     (Parallelism, "exchange"): "one of kernels.backend.EXPERT_EXCHANGES",
     (Parallelism, "layer_loop"): "one of kernels.backend.LAYER_LOOPS",
+    (Parallelism, "collectives"): "one of platform.xla_options.COLLECTIVE_FORMS",
 }
 
 
@@ -140,3 +141,12 @@ def test_variants_of_equal_content_have_distinct_ids():
 def test_config_error_is_the_base():
     assert issubclass(path_names.UnsafeName, ConfigError)
 
+
+
+def test_the_outputs_compile_report_skips_take_an_empty_name_and_refuse_a_bad_one():
+    """`--json-out ''` (and --cadence-out, --results-out) skips that file, as the help says; `--out ''`
+    and a NUL are still refused."""
+    path_names.check_arguments({"json_out": "", "cadence_out": "", "results_out": ""})
+    for arguments in ({"out": ""}, {"json_out": "a\0b"}, {"cadence_out": "d/" + "x" * 300}):
+        with pytest.raises(path_names.UnsafeName):
+            path_names.check_arguments(arguments)

@@ -106,7 +106,8 @@ def register_report(subparsers) -> None:
         description="For each configuration, compile candidate layouts for its scale's slice and keep, of "
                     "those that fit HBM with headroom, the one with the lowest roofline step (each exchange at "
                     "its first remat that fits, then the winner's further remats while the step falls; then the "
-                    "layer stacks unrolled instead of scanned at the winning exchange, the faster kept). "
+                    "layer stacks unrolled instead of scanned at the winning exchange, the faster kept; then the kept "
+                    "program with the 'async' collectives options, the faster kept). "
                     "Results are cached per compile under data_cache/compile_report/ and recorded in the "
                     "suite's ledger (experiments/compile_results.jsonl for smelt16), so an interrupted report "
                     "resumes where it stopped, on this machine or a clone.")
