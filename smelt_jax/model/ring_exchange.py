@@ -10,7 +10,7 @@ Inside the shard_map each device holds T_l tokens (split over the batch axes and
 E_l = E / n experts (n = size of `expert`; expert e lives on device e // E_l as local expert e % E_l):
 
 1. `all_gather` over `expert` of the tokens [T_l, d], their expert ids, kept flags and router weights
-   [T_l, k]: every device of an expert group sees the group's G = n * T_l tokens.
+   (flat, [T_l * k]): every device of an expert group sees the group's G = n * T_l tokens.
 2. The G * k copies routed to this device's experts are sorted by local expert (stable; other copies
    sort last). A first pass computes the first `rows` of them through `kernels.experts.expert_ffn`
    (`rows` = the expected load G * k / n x `ModelConfig.expert_buffer_slack`, rounded to tiles:
@@ -191,15 +191,19 @@ def _ring_body(x_local, ids_local, kept_local, weights_local, w_gate, w_up, w_do
     -> y_local [T_l, d] in x_local's dtype (the weighted sum over the token's kept copies)."""
     n = jax.lax.axis_size(EXPERT_AXIS)
     experts_local = w_gate.shape[0]
+    # The per-copy arrays travel flat ([T_l * k]: copy j of token t at t * k + j, devices in order, as
+    # the [T_l, k] arrays gathered would be): a [G, k] int32 array is laid out on TPU with its k = 8
+    # lanes padded to 128, 16x its bytes in every op that touches it.
     with jax.named_scope(RING_SCOPE):
         x_all, ids, kept, route_w = (jax.lax.all_gather(a, EXPERT_AXIS, axis=0, tiled=True)
-                                     for a in (x_local, ids_local, kept_local, weights_local))
+                                     for a in (x_local, ids_local.reshape(-1), kept_local.reshape(-1),
+                                               weights_local.reshape(-1)))
     gathered = x_all.shape[0]
-    local_expert = ids.reshape(-1).astype(jnp.int32) - jax.lax.axis_index(EXPERT_AXIS) * experts_local
-    here = kept.reshape(-1) & (local_expert >= 0) & (local_expert < experts_local)
+    local_expert = ids.astype(jnp.int32) - jax.lax.axis_index(EXPERT_AXIS) * experts_local
+    here = kept & (local_expert >= 0) & (local_expert < experts_local)
     key = jnp.where(here, local_expert, experts_local)
     counts = jnp.bincount(key, length=experts_local + 1)[:experts_local].astype(jnp.int32)
-    route_w = jnp.where(here, route_w.reshape(-1).astype(jnp.float32), 0.0)
+    route_w = jnp.where(here, route_w.astype(jnp.float32), 0.0)
     rows = ring_rows(gathered, top_k, experts_local, n, slack)
     extra = overflow_rows(rows, gathered, top_k, experts_local)
     order = argsort_small_keys(key, experts_local + 1)
