@@ -365,3 +365,16 @@ def test_the_window_term_counts_the_keys_the_tpu_attention_executes():
     assert reference_terms["attention_window"] == pytest.approx(per_key * (4096 - 400) * tokens)
     for terms in (splash_terms, reference_terms):
         assert sum(terms.values()) == pytest.approx(3 * budget)
+
+
+def test_the_fused_loss_kernels_count_apart_from_the_expert_kernels():
+    """The fused cross-entropy's kernels (every row a token) are not scaled by the expert kernels' fill
+    (issue 50: they were booked as "pallas" and multiplied by it)."""
+    from smelt_jax.kernels import fused_ce
+
+    h, w = jnp.ones((64, 24)), jnp.ones((24, 256))
+    targets = jnp.zeros((64,), jnp.int32)
+    tiles = fused_ce.Tiles(32, 128, 16, 128, 1, bwd_sub=128)
+    counted = program_flops(jax.make_jaxpr(lambda h, w: fused_ce.token_stats(h, w, targets, tiles=tiles))(h, w))
+    assert set(counted.by_kind) == {"fused_ce"} and counted.by_kind["fused_ce"] >= 2 * 64 * 24 * 256
+    assert cr.executed_flops({**counted.by_kind, "pallas": 800.0}, 0.125) == counted.by_kind["fused_ce"] + 100.0

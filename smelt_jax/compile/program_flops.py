@@ -11,7 +11,9 @@ Counted: `dot_general` (2 x output elements x contracted size), `ragged_dot_gene
 ragged operand once), `pallas_call` (the kernel's own `cost_estimate`), `conv_general_dilated`. Splash
 attention's kernels carry no cost estimate: they are counted as what they execute, the matmuls of one
 grid step (from the kernel's body) times the steps the causal block mask lets run
-(`kernels.splash.kernel_flops`), under the kind "splash".
+(`kernels.splash.kernel_flops`), under the kind "splash". The fused linear cross-entropy's kernels
+(`kernels.fused_ce`) count under "fused_ce": the report scales the kind "pallas" (the expert kernels)
+by the share of their buffer rows that carry tokens, and every row of the loss is a token.
 Elementwise work, reductions and collectives are not FLOPs here (the usual MFU convention). Bodies of
 `scan` are multiplied by `length`; `cond` takes its most expensive branch; a `while` (unknown trip
 count) is counted once and reported in `unknown_trip_loops`; `shard_map` bodies (per-shard shapes) are
@@ -29,7 +31,7 @@ from typing import Any
 import jax.numpy as jnp
 from jax._src import core  # ClosedJaxpr/Jaxpr types: not re-exported publicly in JAX 0.10
 
-from smelt_jax.kernels import splash
+from smelt_jax.kernels import fused_ce, splash
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +111,8 @@ def _walk(jaxpr: core.Jaxpr, acc: dict[str, float], counters: dict[str, int]) ->
                 acc["splash"] += splash.kernel_flops(params["grid_mapping"].grid, _query_shape(eqn), step)
             elif estimate is None:
                 counters["pallas_without_estimate"] += 1
+            elif str(params.get("name", "")).startswith(fused_ce.KERNEL_PREFIX):
+                acc["fused_ce"] += float(estimate.flops)  # every row real: not scaled by the experts' fill
             else:
                 acc["pallas"] += float(estimate.flops)
         elif name == "scan":
@@ -147,7 +151,7 @@ def _query_shape(eqn) -> tuple[int, ...]:
 
 
 def _count(jaxprs: Iterable[core.Jaxpr], counters: dict[str, int]) -> dict[str, float]:
-    acc = {"dot_general": 0.0, "ragged_dot": 0.0, "pallas": 0.0, "splash": 0.0, "conv": 0.0}
+    acc = {"dot_general": 0.0, "ragged_dot": 0.0, "pallas": 0.0, "splash": 0.0, "fused_ce": 0.0, "conv": 0.0}
     for jaxpr in jaxprs:
         _walk(jaxpr, acc, counters)
     return acc

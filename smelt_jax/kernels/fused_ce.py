@@ -37,6 +37,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from smelt_jax.kernels.backend import pallas_interpret
 
+KERNEL_PREFIX = "fused_ce"  # its pallas_calls' names (compile/program_flops.py counts them apart)
+
 VECTORS = 8  # rows of the backward's packed per-token inputs [8, n] f32 (lane-dense: 32 B a token)
 V5P_VMEM = 64 * 2**20  # a v5p core's VMEM (`pltpu.get_tpu_info`); the tiles' reference when interpreting
 
@@ -183,7 +185,7 @@ def token_stats(h: jax.Array, w: jax.Array, targets: jax.Array, *, tiles: Tiles 
         scratch_shapes=[pltpu.VMEM((tm, 1), jnp.float32)] * 3,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
                                              vmem_limit_bytes=vmem * 3 // 4),
-        cost_estimate=cost, interpret=interpret, name="fused_ce_forward",
+        cost_estimate=cost, interpret=interpret, name=f"{KERNEL_PREFIX}_forward",
     )(_pad(_targets_in_range(targets, v)[:, None], (np_, 1)), _pad(h, (np_, d)), _pad(w, (d, vp)))
     return lse[:n, 0], target_logit[:n, 0]
 
@@ -260,7 +262,7 @@ def token_grads(h: jax.Array, w: jax.Array, targets: jax.Array, lse: jax.Array, 
             input_output_aliases={4: 0} if accumulate else {},
             compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
                                                  vmem_limit_bytes=vmem * 3 // 4),
-            cost_estimate=cost, interpret=interpret, name="fused_ce_backward")
+            cost_estimate=cost, interpret=interpret, name=f"{KERNEL_PREFIX}_backward")
 
     packed = jnp.stack([_targets_in_range(targets, v).astype(jnp.float32), lse, a, c])  # ids < 2**24 exact
     packed = _pad(packed.astype(jnp.float32), (VECTORS, np_))
