@@ -80,6 +80,7 @@ def test_async_is_kept_where_it_is_faster_and_recorded(tmp_path):
     assert [layout.collectives for layout, _ in result.compared] == ["auto", "async"]
     assert json.loads(ls.layouts_document([result], "smelt16"))["layouts"]["100m/s95/smelt"]["collectives"] == "async"
     table = ls.render_table([result], "smelt compile-report")
+    assert "| none, async |" in table  # the layout column names the form
     rows = [line for line in table.splitlines() if line.startswith("| 100m/s95/smelt | scan |")]
     assert rows == ["| 100m/s95/smelt | scan | auto | none | 0.110 | 100 | 4.0 | 100 | fits |",
                     "| 100m/s95/smelt | scan | async | none | 0.091 | 100 | 4.0 | 100 | **kept** |"]

@@ -87,9 +87,12 @@ def table_row(result) -> str:
 
 
 def _loop_note(result) -> str:
-    """', unrolled' when the chosen layout's layer stacks are unrolled (a scan is the TPU's default)."""
-    form = result.chosen.layer_loop if result.chosen is not None else "auto"
-    return "" if form == "auto" else f", {form}"
+    """', unrolled' when the chosen layout's layer stacks are unrolled (a scan is the TPU's default), and
+    ', async' when it compiles with the async collectives options (XLA's defaults otherwise)."""
+    chosen = result.chosen
+    if chosen is None:
+        return ""
+    return "".join(f", {form}" for form in (chosen.layer_loop, chosen.collectives) if form != "auto")
 
 
 def _roofline_terms(results: list) -> tuple[str, str, str]:
