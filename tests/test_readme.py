@@ -114,6 +114,9 @@ def test_cpu_scale_numbers_are_the_committed_results():
         assert standing.loc[width, "verdict"] == "SMELT trails"
         assert f"d{width} (+{standing.loc[width, 'gap_10M']:.3f}" in text
     assert standing.loc[128, "verdict"] == "tie"
+    gqa4 = pd.read_csv(FITS / "ladder" / "gqa4.csv").set_index("pair")
+    assert (f"+{gqa4.loc['d128 gqa4', 'gap_4M']:.3f} at d128 and +{gqa4.loc['d160 gqa4', 'gap_4M']:.3f} at d160"
+            in text and f"+{gqa4.loc['d160 gqa4', 'multi_head_gap_4M']:.3f} there" in text)
     assert f"ties at d128 ({standing.loc[128, 'gap_10M']:+.3f}" in text
 
 
