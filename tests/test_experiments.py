@@ -148,7 +148,8 @@ def test_every_suite_lists_as_before(capsys):
     remat none to dots, no id; issue 50 item 2's loop-form search kept the 100M S95 pair's layer stacks
     unrolled (`parallelism.layer_loop`, listed only when not 'auto') and moved its Baseline from remat full
     to none, no id; issue 50 item 5's collectives stage kept the 100M S95 pair's 'async' options
-    (`parallelism.collectives`, listed only when not 'auto'), no id."""
+    (`parallelism.collectives`, listed only when not 'auto'), no id; then the 100M S0 and S85 pairs'
+    (layers unrolled, 'async'; the S85 Baseline from remat full to none), no id."""
     assert cli_main(["experiments", "list", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     golden = json.loads(GOLDEN_LIST.read_text())
