@@ -170,15 +170,19 @@ def _local_experts(x_all, route_w, experts, order, counts, *, rows: int, extra: 
     def bwd(res, g):
         x_all, route_w, experts, order, counts, (y_sorted, weight, ffn_vjp) = res
         first, over, n_passes = windows(order, counts)
-        grads = (jnp.zeros_like(x_all), jnp.zeros_like(route_w), *(jnp.zeros_like(w) for w in experts))
-        grads = _pass_backward(g, y_sorted, weight, ffn_vjp, first, grads)
+        zeros = (jnp.zeros_like(x_all), jnp.zeros_like(route_w), *(jnp.zeros_like(w) for w in experts))
+        grads = _pass_backward(g, y_sorted, weight, ffn_vjp, first, zeros)
 
         def overflow(q, grads):
             w = over(q)
             y_q, weight_q, vjp_q = _pass_forward(x_all, route_w, experts, w, capacity=min(gathered, extra), **kw)
             return _pass_backward(g, y_q, weight_q, vjp_q, w, grads)
         if extra:
-            grads = jax.lax.fori_loop(0, n_passes, overflow, grads)
+            # The loop carries the first pass's dx (the reduce-scatter's operand) but not its weight
+            # gradients, added after: so the first pass's weight-gradient kernels depend on nothing the
+            # reduce-scatter waits for and the scheduler may run them inside its window (docs/roofline.md).
+            looped = jax.lax.fori_loop(0, n_passes, overflow, (*grads[:2], *zeros[2:]))
+            grads = (*looped[:2], *(a + b for a, b in zip(grads[2:], looped[2:])))
         return grads[0], grads[1], tuple(grads[2:]), None, None
 
     local.defvjp(fwd, bwd)
