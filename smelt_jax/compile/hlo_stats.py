@@ -157,8 +157,8 @@ def hlo_stats(text: str) -> HloStats:
     sparsecore = 0
     partitions = int((re.search(r"\bnum_partitions=(\d+)", text) or [0, 1])[1])  # a group of "all devices"
     owners = async_owners(computations)
-    overlap = {name: exchange_overlap(instructions) for name, instructions in computations.items()}
     windows = {name: async_windows(instructions) for name, instructions in computations.items()}
+    overlap = {name: exchange_overlap(instructions, windows[name]) for name, instructions in computations.items()}
     exchange_windows: list[tuple[str, int | None, float, float, tuple[str, ...]]] = []
     chains = collective_chains(computations)
     for name, instructions in computations.items():
