@@ -68,7 +68,7 @@ def test_tpu_pricing_numbers_are_the_generated_tables():
     chip = [_percent(cell) for cell in measured["chip-hour saving [range]"]]
     text = _findings()
     assert f"{min(flop):.1f}-{max(flop):.1f}% fewer FLOPs" in text
-    assert f"{min(chip):.1f}% to {max(chip):.1f}% chip-hours" in text
+    assert f"{min(chip):+.1f}% to {max(chip):+.1f}% chip-hours" in text  # signed: a saving reads +
     ratios = _table("SMELT / Baseline")
     sparse = ratios[~ratios["pair"].str.endswith("S0")]["SMELT / Baseline"].astype(float)
     assert f"{sparse.min():.2f}-{sparse.max():.2f}x" in text
