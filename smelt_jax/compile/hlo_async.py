@@ -84,13 +84,11 @@ def async_windows(instructions: list[Instruction]) -> dict[str, tuple[str, ...]]
     return out
 
 
-def exchange_overlap(instructions: list[Instruction],
-                     windows: dict[str, tuple[str, ...]] | None = None) -> dict[str, bool]:
+def exchange_overlap(instructions: list[Instruction], windows: dict[str, tuple[str, ...]]) -> dict[str, bool]:
     """{an async op's start: whether the schedule runs compute (a fusion, convolution, dot or custom call)
-    between it and its done}; a synchronous collective has no entry (exposed). `windows`: this
-    computation's `async_windows`, when the caller has them already."""
+    between it and its done}, from this computation's `async_windows`; a synchronous collective has no
+    entry (exposed)."""
     ops = {i.name: i.op for i in instructions}
-    windows = async_windows(instructions) if windows is None else windows
     return {start: any(ops[name] in COMPUTE_OPS for name in window) for start, window in windows.items()}
 
 
