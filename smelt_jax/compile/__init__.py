@@ -8,6 +8,8 @@
 - `layout_search`: the search for a layout that fits (candidates, cache, table) and `compile_suite`,
   the resumable loop behind `smelt compile-report`. A suite's policy (slice per scale, expert axis
   sizes, order) comes from `experiments.placement`.
+- `isolated`: each of `compile_suite`'s compiles in a child process, so one the host cannot hold (or a
+  libtpu crash) fails alone.
 
 Hardware numbers (HBM, peak, ICI, slice shapes) live in `smelt_jax.platform.hardware`.
 """

@@ -38,6 +38,7 @@ from smelt_jax.compile.checkpoint_cadence import cadence_document, save_bytes
 from smelt_jax.compile.layout_table import (BEGIN, END, TABLE_HEADER, render_table,  # noqa: F401 (re-exported)
                                             replace_generated, table_row)
 from smelt_jax.compile.collective_form import best_collectives
+from smelt_jax.compile.isolated import CompileCrashed, Isolated
 from smelt_jax.compile.loop_form import best_form, faster, form_chain
 from smelt_jax.compile.overflow import step_overflow_passes
 from smelt_jax.compile.results_ledger import Ledger, report_from_dict
@@ -194,22 +195,32 @@ def search_layout(run: RunSpec, compile_fn: Callable[..., CompileReport], policy
     layout is kept. With a `skip_reason` nothing is compiled: only cached results are used; a missing
     one of the first exchange stops the search with status 'not compiled (skip_reason)', of a later
     exchange leaves it out of the comparison, of stage 2 ends the walk, of stage 3 leaves that loop form
-    out (the configuration keeps its scan program).
+    out (the configuration keeps its scan program). A compile that crashes (`compile_fn` raising
+    `isolated.CompileCrashed`: killed for host memory, a libtpu crash) is not compiled in the same way,
+    its reason in `tried` and, for the first exchange, in the status; it is not cached.
     """
     slice_name = policy.slice_for(run)
     tried: list[tuple[str, str]] = []
     last = None
+    why = skip_reason  # why the last candidate answered None (not compiled)
 
     def attempt(candidate: Candidate) -> CompileReport | None:
-        nonlocal last
+        nonlocal last, why
         if skip_reason is not None and not is_cached(run, candidate, cache_dir, ledger):
             tried.append((candidate.label, f"not compiled ({skip_reason})"))
             return None
         start = time.perf_counter()
-        report, cached = compile_cached(run, candidate, compile_fn, cache_dir, ledger)
+        try:
+            report, cached = compile_cached(run, candidate, compile_fn, cache_dir, ledger)
+        except CompileCrashed as err:  # this candidate fails alone (`compile.isolated`)
+            why = str(err)
+            log(f"  {run_key(run)} {candidate.label}: not compiled ({why})")
+            tried.append((candidate.label, f"not compiled ({why})"))
+            return None
+        host = f", {report.host_peak_bytes / 1e9:.1f} GB host" if report.host_peak_bytes else ""
         outcome = ("fits" if fits_with_headroom(report) else "out of memory" if not report.peak_fits_hbm
                    else f"over {HBM_HEADROOM:.0%} of HBM") + (
-            " (cached)" if cached else f" ({time.perf_counter() - start:.0f} s)")
+            " (cached)" if cached else f" ({time.perf_counter() - start:.0f} s{host})")
         log(f"  {run_key(run)} {candidate.label}: {outcome}")
         tried.append((candidate.label, outcome))
         last = report
@@ -228,7 +239,7 @@ def search_layout(run: RunSpec, compile_fn: Callable[..., CompileReport], policy
                 if report is None:
                     if n == 0:
                         return SearchResult(run_key(run), run.id, slice_name, None, last, tuple(tried),
-                                            f"not compiled ({skip_reason})")
+                                            f"not compiled ({why})")
                     break
                 if fits_with_headroom(report):
                     firsts.append((chain, position, candidate, report))
@@ -308,7 +319,7 @@ def compile_suite(runs: Sequence[RunSpec], policy: SearchPolicy, *, suite: str,
     """
     from smelt_jax.compile import aot, report
 
-    compile_fn = compile_fn or report.compile_run
+    compile_fn = compile_fn or Isolated(report.compile_run)  # each compile in a child: fails alone
     trace_fn = trace_fn or report.trace_program_flops
     available, reason = libtpu if libtpu is not None else aot.libtpu_status()
     runs = list(runs)

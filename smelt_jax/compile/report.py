@@ -112,6 +112,7 @@ class CompileReport:
     ici_accounting: int = 0
     layer_loop: str | None = None  # 'scan' or 'unrolled' (None: compiled before it was recorded: a scan)
     collective_form: str | None = None  # the compiler options' form (None: before it was recorded: 'auto')
+    host_peak_bytes: int | None = None  # the compiling process's peak resident memory (`compile.isolated`)
 
     def breakdown(self) -> Breakdown | None:
         """The walk's breakdown kept in this report (None before ANALYSIS_VERSION 4)."""
