@@ -222,3 +222,44 @@ def test_the_ring_combines_in_the_compute_dtype_and_matches_the_reference_in_bfl
     for name, g, g_ref in zip(("tokens", "router_w", "w_gate", "w_up", "w_down"), grads, vjp_ref(cotangent)):
         g, g_ref = np.asarray(g, np.float32), np.asarray(g_ref)
         assert np.max(np.abs(g - g_ref)) < 0.03 * np.max(np.abs(g_ref)), name
+
+
+def _layout_constraints(jaxpr) -> list:
+    """Shapes that `layout_constraint` equations hold, sub-jaxprs (the shard_map's body) included."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "layout_constraint":
+            found.append((eqn.invars[0].aval.shape, eqn.params["layout"].major_to_minor))
+        for sub in jax.core.jaxprs_in_params(eqn.params):
+            found += _layout_constraints(sub)
+    return found
+
+
+@pytest.mark.parametrize("d", [D, 128])
+def test_the_ring_holds_its_local_tokens_row_major_only_where_d_does_not_fill_lanes(d):
+    """XLA:TPU lays a [T, d] activation out tokens-minor when d is not a multiple of 128, and the ring's
+    [G, d] buffers with it (a transposing copy of [G, d] per layer and direction, docs/roofline.md): the
+    ring holds its [T_l, d] input and output row-major there, and leaves every other program as it was
+    (no constraint at d = 128). The values are the same either way (the tests above run at d = 16)."""
+    rng = np.random.default_rng(7)
+    t = 24
+    tokens = jnp.asarray(rng.normal(size=(t, d)).astype(np.float32))
+    ids = jnp.asarray(_routing("random", t, rng).astype(np.int32))
+    route_w = jax.nn.softmax(jnp.asarray(rng.normal(size=(t, K)).astype(np.float32)), axis=-1)
+    experts = [jnp.asarray(0.3 * rng.normal(size=shape).astype(np.float32)) for shape in ((E, d, F),) * 2 + ((E, F, d),)]
+    plan = dispatch(ids, E, None)
+    mesh = sharding.make_mesh(Parallelism(data=1, expert=8))
+
+    def ring(x, rw, wg, wu, wd):
+        return ring_expert_outputs(x, plan, rw, wg, wu, wd, backend="capacity", mesh=mesh, slack=0.5)
+
+    with jax.set_mesh(mesh):
+        forward = _layout_constraints(jax.make_jaxpr(ring)(tokens, route_w, *experts).jaxpr)
+        backward = _layout_constraints(jax.make_jaxpr(
+            lambda *a: jax.grad(lambda *b: jnp.sum(ring(*b) ** 2), argnums=0)(*a))(tokens, route_w, *experts).jaxpr)
+    local = t // 8
+    if d % 128:
+        assert forward == [((local, d), (0, 1))] * 2  # the input and the reduce-scatter's output
+        assert len(backward) == 4 and set(backward) == {((local, d), (0, 1))}  # and both cotangents
+    else:
+        assert forward == [] and backward == []

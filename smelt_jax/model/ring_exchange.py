@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.layout import Layout, with_layout_constraint
 
 from smelt_jax.kernels.backend import EXPERT_AXIS
 from smelt_jax.kernels.experts import expert_ffn
@@ -58,6 +59,7 @@ __all__ = ["RING_SCOPE", "ring_expert_outputs", "ring_fill", "ring_rows"]
 RING_SCOPE = "ring_exchange"  # named scope of the exchange's collectives (op_name in the HLO metadata)
 
 
+LANES = 128  # a TPU vector register's lanes: the minor dimension of a row-major array pads to them
 KERNEL_ROW_TILE = 512  # the grouped matmul's row tile (kernels/gmm.py DEFAULT_TILING): no row padding copy
 
 
@@ -189,12 +191,27 @@ def _local_experts(x_all, route_w, experts, order, counts, *, rows: int, extra: 
     return local(x_all, route_w, tuple(experts), order, counts)
 
 
+def _row_major(x: jax.Array) -> jax.Array:
+    """x [T_l, d] held row-major (d minor) where d does not fill whole 128-wide lanes (a no-op where it
+    does, and for the cotangent too).
+
+    Left to itself, XLA:TPU lays such an activation out transposed (tokens minor: no lane padding) and
+    so lays out the ring's [G, d] all-gather and reduce-scatter buffers the same way, which the expert
+    kernels and the row gathers cannot read: a transposing copy of [G, d] per layer and direction (100M S95
+    SMELT, d 576: 15 copies of 0.32 GB; docs/roofline.md). Held row-major at the [T_l, d] boundary, the
+    transposes XLA still wants happen on T_l rows, not on G = n T_l."""
+    if x.shape[-1] % LANES == 0:
+        return x
+    return with_layout_constraint(x, Layout(tuple(range(x.ndim))))
+
+
 def _ring_body(x_local, ids_local, kept_local, weights_local, w_gate, w_up, w_down, *, top_k: int,
                impl: str, slack: float | None):
     """Per device: x_local [T_l, d], ids / kept / router weights [T_l, k], expert weights [E_l, ...]
     -> y_local [T_l, d] in x_local's dtype (the weighted sum over the token's kept copies)."""
     n = jax.lax.axis_size(EXPERT_AXIS)
     experts_local = w_gate.shape[0]
+    x_local = _row_major(x_local)
     # The per-copy arrays travel flat ([T_l * k]: copy j of token t at t * k + j, devices in order, as
     # the [T_l, k] arrays gathered would be): a [G, k] int32 array is laid out on TPU with its k = 8
     # lanes padded to 128, 16x its bytes in every op that touches it.
@@ -215,7 +232,8 @@ def _ring_body(x_local, ids_local, kept_local, weights_local, w_gate, w_up, w_do
     y = _local_experts(x_all, route_w, (w_gate, w_up, w_down), order, counts, rows=rows, extra=extra,
                        top_k=top_k, impl=impl)
     with jax.named_scope(RING_SCOPE):
-        return jax.lax.psum_scatter(y, EXPERT_AXIS, scatter_dimension=0, tiled=True)
+        y_local = jax.lax.psum_scatter(y, EXPERT_AXIS, scatter_dimension=0, tiled=True)
+    return _row_major(y_local)
 
 
 @jax.named_scope("experts")  # names the ops for profiles (benchmarks/bench_ops.py)
