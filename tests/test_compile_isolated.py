@@ -134,3 +134,40 @@ def test_a_killed_or_raising_child_raises_compile_crashed_in_one_line():
         compile_fn(run, "v5p-128", padded, "none")
     assert str(err.value).startswith("compile failed after ")
     assert str(err.value).endswith("s: RuntimeError: INTERNAL: Mosaic failed to compile")
+
+
+def _sleeps(seconds, pid_file):
+    Path(pid_file).write_text(str(os.getpid()))
+    import time
+    time.sleep(seconds)
+
+
+@pytest.mark.integration
+def test_a_compile_does_not_outlive_the_report_that_started_it(tmp_path):
+    """The report's process killed (as `kill` or the OOM killer would): its compile child goes with it."""
+    import subprocess
+    import sys
+    import time
+
+    pid_file = tmp_path / "child.pid"
+    script = ("import sys; sys.path[:0] = %r\n"
+              "from smelt_jax.compile.isolated import Isolated\n"
+              "from test_compile_isolated import _sleeps\n"
+              "Isolated(_sleeps)(120, %r)\n") % (sys.path, str(pid_file))
+    report = subprocess.Popen([sys.executable, "-c", script])
+    deadline = time.time() + 60
+    while not pid_file.exists() and time.time() < deadline:
+        time.sleep(0.2)
+    child = int(pid_file.read_text())
+    os.kill(child, 0)  # alive while its report is
+    report.kill()
+    report.wait()
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    with pytest.raises(ProcessLookupError):
+        os.kill(child, 0)

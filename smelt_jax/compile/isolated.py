@@ -1,7 +1,8 @@
 """One compile of the compile report in a child process of its own, so that a bad compile fails alone.
 
 An ahead-of-time TPU compile runs XLA and libtpu inside the calling process. A compile the host cannot
-hold (a 200M SMELT program with its layers unrolled holds 9-16 GB of host memory; 600M and 1.6B more)
+hold (with its layers unrolled, a 200M or 600M SMELT program holds 12-16 GB of host memory while it
+compiles, measured here; 1.6B more)
 is ended by the kernel's out-of-memory killer, and a crash inside libtpu ends the process with a signal:
 in the report's own process either loses every configuration after it. `Isolated(compile_run)` runs
 each compile in a fresh Python process and answers its `CompileReport`, with the child's peak resident
@@ -39,12 +40,24 @@ class CompileCrashed(SmeltError):
     """The child process of one compile died or raised: the message says how, in one line."""
 
 
+def _die_with_parent() -> None:
+    """Linux: this process gets SIGKILL when the report that started it ends (stopped by hand, killed),
+    so no compile outlives its report."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def _serve(folder: str) -> None:
     """The child: run the call pickled in `folder`/call.pkl, write `folder`/result.json."""
     try:  # the first process the kernel ends when the host runs out of memory
         Path("/proc/self/oom_score_adj").write_text("1000")
     except OSError:
         pass
+    _die_with_parent()
     try:
         fn, args, kwargs = pickle.loads(Path(folder, "call.pkl").read_bytes())
         report = fn(*args, **kwargs)
