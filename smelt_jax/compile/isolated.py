@@ -1,8 +1,8 @@
 """One compile of the compile report in a child process of its own, so that a bad compile fails alone.
 
 An ahead-of-time TPU compile runs XLA and libtpu inside the calling process. A compile the host cannot
-hold (with its layers unrolled, a 200M or 600M SMELT program holds 12-16 GB of host memory while it
-compiles, measured here; 1.6B more)
+hold (with its layers unrolled, a 200M or 600M SMELT program holds 9-19 GB of host memory while it
+compiles, measured here; 1.6B not yet measured)
 is ended by the kernel's out-of-memory killer, and a crash inside libtpu ends the process with a signal:
 in the report's own process either loses every configuration after it. `Isolated(compile_run)` runs
 each compile in a fresh Python process and answers its `CompileReport`, with the child's peak resident
