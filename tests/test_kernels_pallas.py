@@ -280,3 +280,72 @@ def test_pallas_expert_ffn_under_jit_with_traced_group_sizes():
         sizes = jnp.asarray(sizes_list, jnp.int32)
         ref = dense_gmm(dense_swiglu(x, w_gate, w_up, sizes), w_down, sizes)
         assert _max_err(run(sizes), ref) <= 1e-4 * _scale(ref)
+
+
+# ------------------------------------------------------------------------ row weights (the MoE combine)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("case", list(GROUP_CASES))
+def test_weighted_gmm_forward_and_gradients_match_dense(case, dtype):
+    """gmm(row_weight=w) = w[:, None] * (lhs @ rhs[g]), and its three gradients (the weight's taken in the
+    d lhs kernel's epilogue, split over two k tiles here: k = 160 > tk = 128), against the dense reference
+    in float32; rows past the groups give 0 and a 0 weight gradient."""
+    m, k, n = 100, 160, 96
+    sizes_list = GROUP_CASES[case]
+    sizes = jnp.asarray(sizes_list, jnp.int32)
+    lhs, rhs, probe = _rng_arrays(8, [(m, k), (len(sizes_list), k, n), (m, n)], dtype)
+    weight = jax.random.uniform(jax.random.key(9), (m,), jnp.float32, 0.1, 1.0)
+
+    def kernel(lhs, rhs, weight):
+        return gmm(lhs, rhs, sizes, row_weight=weight, tiling=TILING, interpret=True)
+
+    def dense(lhs, rhs, weight):
+        return dense_gmm(lhs, rhs, sizes) * weight[:, None]
+
+    out, ref = kernel(lhs, rhs, weight), dense(lhs, rhs, weight)
+    assert out.shape == (m, n) and out.dtype == dtype
+    assert _max_err(out, ref) <= ABS_TOL[dtype] * _scale(ref)
+    used = int(sizes.sum())
+    assert _max_abs(out[used:]) == 0.0
+    grads = jax.grad(lambda *a: jnp.sum(kernel(*a).astype(jnp.float32) * probe), (0, 1, 2))(lhs, rhs, weight)
+    refs = jax.grad(lambda *a: jnp.sum(dense(*a) * probe.astype(jnp.float32)), (0, 1, 2))(lhs, rhs, weight)
+    for name, grad, ref_grad in zip(("lhs", "rhs", "row_weight"), grads, refs):
+        assert grad.shape == ref_grad.shape, name
+        assert _max_err(grad, ref_grad) <= GRAD_TOL[dtype] * _scale(ref_grad), name
+    assert grads[2].dtype == jnp.float32
+    assert _max_abs(grads[2][used:]) == 0.0 and _max_abs(grads[0][used:]) == 0.0
+
+
+def test_weighted_gmm_with_unit_weights_is_gmm():
+    m, k, n = 100, 96, 160
+    sizes = jnp.asarray(GROUP_CASES["random_with_empty"], jnp.int32)
+    lhs, rhs = _rng_arrays(10, [(m, k), (6, k, n)], jnp.float32)
+    plain = gmm(lhs, rhs, sizes, tiling=TILING, interpret=True)
+    weighted = gmm(lhs, rhs, sizes, row_weight=jnp.ones((m,), jnp.float32), tiling=TILING, interpret=True)
+    assert _max_err(plain, weighted) == 0.0
+    with pytest.raises(ValueError, match="row_weight"):
+        gmm(lhs, rhs, sizes, row_weight=jnp.ones((m, 1), jnp.float32), interpret=True)
+
+
+@pytest.mark.parametrize("case", ["random_with_empty", "single_full_group"])
+def test_pallas_expert_ffn_with_row_weights_matches_the_weighted_dense_ffn(case):
+    m, d, f = 100, 96, 160
+    sizes = jnp.asarray(GROUP_CASES[case], jnp.int32)
+    x, w_gate, w_up, w_down, probe = _rng_arrays(11, [(m, d), (6, d, f), (6, d, f), (6, f, d), (m, d)],
+                                                  jnp.float32)
+    weight = jax.random.uniform(jax.random.key(12), (m,), jnp.float32, 0.1, 1.0)
+
+    def kernel(x, w_gate, w_up, w_down, weight):
+        return pallas_expert_ffn(x, w_gate, w_up, w_down, sizes, row_weight=weight, interpret=True, tiling=TILING)
+
+    def dense(x, w_gate, w_up, w_down, weight):
+        return dense_gmm(dense_swiglu(x, w_gate, w_up, sizes), w_down, sizes) * weight[:, None]
+
+    args = (x, w_gate, w_up, w_down, weight)
+    ref = dense(*args)
+    assert _max_err(kernel(*args), ref) <= 1e-4 * _scale(ref)
+    grads = jax.grad(lambda *a: jnp.sum(kernel(*a) * probe), tuple(range(5)))(*args)
+    refs = jax.grad(lambda *a: jnp.sum(dense(*a) * probe), tuple(range(5)))(*args)
+    for name, grad, ref_grad in zip(("x", "w_gate", "w_up", "w_down", "row_weight"), grads, refs):
+        assert _max_err(grad, ref_grad) <= 1e-4 * _scale(ref_grad), name

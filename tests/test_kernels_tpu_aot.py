@@ -77,6 +77,29 @@ def test_expert_ffn_compiles_forward_and_backward_bf16(topology):
     _compile_ffn(topology, jnp.bfloat16)
 
 
+@pytest.mark.integration
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+def test_expert_ffn_with_row_weights_compiles_with_lane_dense_weights(topology):
+    """The router weight applied in the down kernel's epilogue and its gradient taken in the backward
+    compile to the same seven Mosaic kernels, the weights and their gradient passing as lane-dense [M]
+    rows (an [M, 1] array would be laid out with its one lane padded to 128: 128x its bytes; a [tiles, M]
+    block of one row breaks Mosaic's 8-sublane rule)."""
+    mesh = _one_device_mesh(topology)
+    args = _ffn_args(jnp.bfloat16) + [jax.ShapeDtypeStruct((M,), jnp.float32)]
+
+    def backward(x, w_gate, w_up, w_down, sizes, weight):
+        def loss(x, w_gate, w_up, w_down, weight):
+            out = pallas_expert_ffn(x, w_gate, w_up, w_down, sizes, row_weight=weight, tiling=TILING)
+            return jnp.sum(out.astype(jnp.float32) ** 2)
+        return jax.grad(loss, (0, 1, 2, 3, 4))(x, w_gate, w_up, w_down, weight)
+
+    compiled, _ = aot.compile_for_tpu(backward, args, mesh)
+    text = compiled.as_text()
+    assert _num_mosaic_kernels(compiled) == 7
+    # the weight gradient: one lane-dense f32 row of M per n tile of the d-lhs kernel (F / 128 of them)
+    assert f"f32[{M},1]" not in text and f"f32[{F // TILING[2] * M}]" in text
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("topology", TOPOLOGIES)
 def test_expert_ffn_compiles_forward_and_backward_f32(topology):

@@ -52,6 +52,20 @@ def _routing(kind, t, rng):
     ({"data": 1, "fsdp": 2, "expert": 4}, 9, "one_hot", None, 0.5),
 ])
 def test_ring_exchange_matches_the_dense_reference(layout, t, kind, capacity, slack):
+    _check_against_the_reference(layout, t, kind, capacity, slack, backend="capacity")
+
+
+@pytest.mark.parametrize("layout,t,kind,capacity,slack", [
+    ({"data": 1, "expert": 8}, 37, "one_hot", None, 0.25),  # overflow passes on devices 0-3
+    ({"data": 2, "expert": 4}, 21, "empty_experts", 2, 1.0),  # an empty device, capacity drops
+])
+def test_ring_exchange_with_the_tpu_kernels_matches_the_dense_reference(layout, t, kind, capacity, slack):
+    """The `pallas` backend (interpreted here): the router weight applied in the down-projection kernel's
+    epilogue and its gradient taken in that kernel's backward give the reference's values and gradients."""
+    _check_against_the_reference(layout, t, kind, capacity, slack, backend="pallas")
+
+
+def _check_against_the_reference(layout, t, kind, capacity, slack, *, backend):
     rng = np.random.default_rng(t)
     tokens = jnp.asarray(rng.normal(size=(t, D)).astype(np.float32))
     ids = jnp.asarray(_routing(kind, t, rng).astype(np.int32))
@@ -65,7 +79,7 @@ def test_ring_exchange_matches_the_dense_reference(layout, t, kind, capacity, sl
     mesh = sharding.make_mesh(Parallelism(**layout))
 
     def ring(x, rw, wg, wu, wd):
-        return ring_expert_outputs(x, plan, rw, wg, wu, wd, backend="capacity", mesh=mesh, slack=slack)
+        return ring_expert_outputs(x, plan, rw, wg, wu, wd, backend=backend, mesh=mesh, slack=slack)
 
     def ref(x, rw, wg, wu, wd):
         return _reference(x, ids, plan.kept, rw, wg, wu, wd)
@@ -263,3 +277,47 @@ def test_the_ring_holds_its_local_tokens_row_major_only_where_d_does_not_fill_la
         assert len(backward) == 4 and set(backward) == {((local, d), (0, 1))}  # and both cotangents
     else:
         assert forward == [] and backward == []
+
+
+def _row_arithmetic(jaxpr, d: int, inside: bool = False) -> list:
+    """(primitive, shape) of the multiplies of arrays of rows (ndim 2, last dim d) and the sums over their
+    rows' d elements that equations inside a shard_map make outside any Pallas kernel."""
+    found = []
+    for eqn in jaxpr.eqns:
+        here = inside or eqn.primitive.name == "shard_map"
+        if here and eqn.primitive.name in ("mul", "reduce_sum"):
+            over_d = eqn.primitive.name == "mul" or 1 in eqn.params["axes"]
+            found += [(eqn.primitive.name, v.aval.shape) for v in eqn.invars
+                      if len(getattr(v.aval, "shape", ())) == 2 and v.aval.shape[-1] == d and over_d]
+        if eqn.primitive.name != "pallas_call":
+            for sub in jax.core.jaxprs_in_params(eqn.params):
+                found += _row_arithmetic(sub, d, here)
+    return found
+
+
+@pytest.mark.parametrize("backend", ["pallas", "capacity"])
+def test_the_tpu_kernels_weigh_the_rows_and_take_the_weight_gradient_in_the_down_kernel(backend):
+    """Issue 50 item 3: with the TPU kernels the router weight is applied in the down-projection kernel's
+    epilogue and its gradient taken in that kernel's backward, so the shard_map's XLA program multiplies
+    and sums no array of expert rows [rows, d], forward or backward (the `capacity` backend, which
+    multiplies the rows after its FFN, shows the check sees them)."""
+    rng = np.random.default_rng(9)
+    t = 24
+    tokens = jnp.asarray(rng.normal(size=(t, D)).astype(np.float32))
+    ids = jnp.asarray(_routing("random", t, rng).astype(np.int32))
+    route_w = jax.nn.softmax(jnp.asarray(rng.normal(size=(t, K)).astype(np.float32)), axis=-1)
+    experts = [jnp.asarray(0.3 * rng.normal(size=shape).astype(np.float32)) for shape in ((E, D, F),) * 2 + ((E, F, D),)]
+    plan = dispatch(ids, E, None)
+    mesh = sharding.make_mesh(Parallelism(data=1, expert=8))
+
+    def loss(x, rw, wg, wu, wd):
+        y = ring_expert_outputs(x, plan, rw, wg, wu, wd, backend=backend, mesh=mesh, slack=0.5)
+        return jnp.sum(y * y)
+
+    with jax.set_mesh(mesh):
+        traced = jax.make_jaxpr(jax.grad(loss, (0, 1, 2, 3, 4)))(tokens, route_w, *experts)
+    found = _row_arithmetic(traced.jaxpr, D)
+    if backend == "pallas":
+        assert not found
+    else:
+        assert {"mul", "reduce_sum"} <= {name for name, _ in found}

@@ -2,7 +2,10 @@
 
 `expert_ffn(x_sorted, w_gate, w_up, w_down, group_sizes)` computes, for row i of expert e,
 `(silu(x_i @ Wg[e]) * (x_i @ Wu[e])) @ Wd[e]`. Rows are sorted by expert; `group_sizes[e]` counts the
-rows of expert e; rows past `sum(group_sizes)` are padding and come out as 0.
+rows of expert e; rows past `sum(group_sizes)` are padding and come out as 0. With `row_weight` [m]
+(float32, the router's weight of each row's copy) row i comes out times row_weight[i]: the `pallas`
+backend applies it in the down-projection kernel's epilogue and takes its gradient in that kernel's
+backward (no array of weighted rows in HBM); the others multiply the rows after, in float32.
 
 Precision, the same in every backend: matmuls accumulate in float32, the SwiGLU product is taken in
 float32 and cast to the input dtype before the down projection, the output has the input dtype.
@@ -97,11 +100,35 @@ def _capacity(x, w_gate, w_up, w_down, group_sizes, *, capacity: int):
     return rows.astype(x.dtype)
 
 
-def _pallas(x, w_gate, w_up, w_down, group_sizes):
+def _pallas(x, w_gate, w_up, w_down, group_sizes, row_weight):
     # Imported on use: the Pallas TPU modules are slow to import and only this backend needs them.
     from smelt_jax.kernels.pallas_ffn import pallas_expert_ffn
 
-    return pallas_expert_ffn(x, w_gate, w_up, w_down, group_sizes)
+    return pallas_expert_ffn(x, w_gate, w_up, w_down, group_sizes, row_weight=row_weight)
+
+
+@jax.custom_vjp
+def _weighted(y, row_weight):
+    return (y.astype(jnp.float32) * row_weight[:, None]).astype(y.dtype)
+
+
+def _weighted_fwd(y, row_weight):
+    return _weighted(y, row_weight), (y, row_weight)  # y saved in its own dtype, not as float32 rows
+
+
+def _weighted_bwd(residuals, g):
+    y, row_weight = residuals
+    g = g.astype(jnp.float32)
+    return (g * row_weight[:, None]).astype(y.dtype), jnp.sum(g * y.astype(jnp.float32), axis=1)
+
+
+_weighted.defvjp(_weighted_fwd, _weighted_bwd)
+
+
+def _weigh_rows(y, row_weight):
+    """y [m, d] times row_weight [m] (float32), in float32 and rounded to y's dtype (y itself when
+    row_weight is None); the backward saves y in its own dtype and computes in float32."""
+    return y if row_weight is None else _weighted(y, row_weight.astype(jnp.float32))
 
 
 def _check(x, w_gate, w_up, w_down, group_sizes):
@@ -119,8 +146,8 @@ def _check(x, w_gate, w_up, w_down, group_sizes):
 
 
 def expert_ffn(x_sorted: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
-               group_sizes: jax.Array, *, impl: str = "auto", capacity: int | None = None
-               ) -> jax.Array:
+               group_sizes: jax.Array, *, impl: str = "auto", capacity: int | None = None,
+               row_weight: jax.Array | None = None) -> jax.Array:
     """SwiGLU of each row with its expert's weights.
 
     Args:
@@ -131,24 +158,29 @@ def expert_ffn(x_sorted: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: 
         layer, has already resolved it for its mesh).
       capacity: static bound on every group size that the caller guarantees; the `capacity`
         backend sizes its [E, C, d] buffers with it (None: m, always safe). Other backends ignore it.
+      row_weight: [m] float32 or None; each row's output times its weight (differentiable).
     Returns:
       [m, d_model] in x_sorted's dtype; padding rows are 0.
     """
     _check(x_sorted, w_gate, w_up, w_down, group_sizes)
+    if row_weight is not None and row_weight.shape != x_sorted.shape[:1]:
+        raise ValueError(f"row_weight must be [{x_sorted.shape[0]}] (one per row), got {list(row_weight.shape)}")
     group_sizes = group_sizes.astype(jnp.int32)
     weights = [w.astype(x_sorted.dtype) for w in (w_gate, w_up, w_down)]
     backend = choose_expert_backend(impl)
     bound = None if capacity is None else min(int(capacity), x_sorted.shape[0])
     if bound is not None and bound <= 0:
         raise ValueError(f"capacity must be positive, got {capacity}")
+    if backend == "pallas":
+        return _pallas(x_sorted, *weights, group_sizes, row_weight)
     if backend == "dense":
-        return _dense(x_sorted, *weights, group_sizes)
-    if backend == "ragged_dot":
-        return _ragged_dot(x_sorted, *weights, group_sizes)
-    if backend == "megablox":
-        return _megablox(x_sorted, *weights, group_sizes)
-    if backend == "capacity":
-        return _capacity(x_sorted, *weights, group_sizes, capacity=bound or x_sorted.shape[0])
-    if backend == "tiled":
-        return tiled_expert_ffn(x_sorted, *weights, group_sizes)
-    return _pallas(x_sorted, *weights, group_sizes)
+        y = _dense(x_sorted, *weights, group_sizes)
+    elif backend == "ragged_dot":
+        y = _ragged_dot(x_sorted, *weights, group_sizes)
+    elif backend == "megablox":
+        y = _megablox(x_sorted, *weights, group_sizes)
+    elif backend == "capacity":
+        y = _capacity(x_sorted, *weights, group_sizes, capacity=bound or x_sorted.shape[0])
+    else:
+        y = tiled_expert_ffn(x_sorted, *weights, group_sizes)
+    return _weigh_rows(y, row_weight)

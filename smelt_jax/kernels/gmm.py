@@ -1,8 +1,13 @@
 """Pallas grouped matmul for rows sorted by expert (TPU Mosaic lowering; interpret mode elsewhere).
 
-    gmm(lhs [m, k], rhs [G, k, n], group_sizes [G]) -> [m, n]
+    gmm(lhs [m, k], rhs [G, k, n], group_sizes [G], row_weight=None | [m]) -> [m, n]
         out[r] = lhs[r] @ rhs[g(r)] for the rows r of group g (groups are consecutive row ranges, in order);
-        rows beyond sum(group_sizes) give 0.
+        rows beyond sum(group_sizes) give 0. With row_weight, out[r] = row_weight[r] * (lhs[r] @ rhs[g(r)]),
+        the weight applied to the f32 accumulator in the epilogue; its backward computes the weight's
+        gradient, row_weight[r]'s = grad[r] . (lhs[r] @ rhs[g(r)]) = lhs[r] . (grad[r] @ rhs[g(r)].T), in
+        the epilogue of the kernel that computes d lhs (which reads lhs as a row input), and the weight
+        gradient of rhs from the rows of grad scaled by row_weight inside the kernel: no [m, n] array of
+        weighted rows is ever written (the MoE combine, issue 50 item 3).
     tgmm(lhs [m, k], grad [m, n], group_sizes [G]) -> [G, k, n]
         out[g] = lhs[rows of g].T @ grad[rows of g]; an empty group gives 0. (The weight gradient of gmm.)
 
@@ -12,9 +17,12 @@ Both share two kernel engines, also used by the fused SwiGLU kernels in `swiglu.
   overlap; visits are listed in row order, so a row tile shared by two groups is visited twice in a row and
   its output block stays in VMEM between the two visits (each visit writes only its own group's rows). Rows
   past the last group form a pseudo-group whose visits only write zeros. Several matmuls may share the
-  grid (one f32 accumulator each) and an epilogue combines them on the last k step (e.g. silu(g) * u).
+  grid (one f32 accumulator each) and an epilogue combines them on the last k step (e.g. silu(g) * u). The
+  epilogue may read per-row scales ([m] f32, read as lane-dense [tm] blocks: an [m, 1] array would be laid
+  out with its one lane padded to 128) and return per-row f32 results (e.g. a row sum), written per n tile.
 * `grouped_transposed_call`: grid (k tiles, n tiles, visits); the [tk, tn] accumulator of a group is zeroed
-  at the group's first visit and stored at its last; rows outside the group are masked to zero.
+  at the group's first visit and stored at its last; rows outside the group are masked to zero (and the
+  rows of grad optionally scaled by a per-row weight).
 
 The per-visit group and tile ids, and the row range of every group, are computed once per call by
 `make_group_metadata` (a small pure jnp function) and passed as scalar-prefetch operands (SMEM), so the
@@ -113,7 +121,11 @@ class MatmulPlan:
 
     products: (lhs index, rhs index, accumulator index) triples; each adds lhs_tile @ rhs_tile to an f32
         accumulator of shape [tm, tn].
-    epilogue: f(accumulators, row_inputs) -> outputs, all [tm, tn] float32, applied on the last k step.
+    epilogue: f(accumulators, row_inputs, row_scales) -> outputs, applied on the last k step: accumulators
+        and row inputs [tm, tn] float32, row scales [tm, 1] float32; the outputs are the [tm, tn] results
+        (one per out dtype) followed by `row_outputs` [tm, 1] float32 per-row results.
+    row_outputs: per-row results of the epilogue, each returned as [tiles_n, m] float32 (one column per n
+        tile: a sum over n is the caller's, over the tiles).
     transcendentals_per_output: for the cost estimate (e.g. 1 for the sigmoid in SwiGLU).
     """
 
@@ -121,11 +133,12 @@ class MatmulPlan:
     num_accumulators: int
     epilogue: Epilogue
     transpose_rhs: bool = False
+    row_outputs: int = 0
     transcendentals_per_output: int = 0
 
 
-def _identity_epilogue(accumulators, row_inputs):
-    del row_inputs
+def identity_epilogue(accumulators, row_inputs, row_scales):
+    del row_inputs, row_scales
     return tuple(accumulators)
 
 
@@ -139,12 +152,14 @@ def _vmem_limit(estimate_bytes: int, interpret: bool) -> int | None:
 
 def grouped_matmul_call(lhs_list: Sequence[jax.Array], rhs_list: Sequence[jax.Array],
                         row_inputs: Sequence[jax.Array], group_sizes: jax.Array, *, plan: MatmulPlan,
-                        out_dtypes: Sequence[jnp.dtype], tiling: Tiling, interpret: bool) -> list[jax.Array]:
+                        out_dtypes: Sequence[jnp.dtype], tiling: Tiling, interpret: bool,
+                        row_scales: Sequence[jax.Array] = ()) -> list[jax.Array]:
     """Run the grouped-matmul engine on tile-aligned operands.
 
     lhs_list: each [m, K]; rhs_list: each [G, K, N] ([G, N, K] when plan.transpose_rhs); row_inputs: each
-    [m, N], read on the last k step for the epilogue. m, K, N must be multiples of (tm, tk, tn) or equal
-    to the tile. Returns one [m, N] array per dtype in out_dtypes; rows outside every group are 0.
+    [m, N], read on the last k step for the epilogue; row_scales: each [m] float32, read there too. m, K, N
+    must be multiples of (tm, tk, tn) or equal to the tile. Returns one [m, N] array per dtype in
+    out_dtypes, then plan.row_outputs [N // tn, m] float32 arrays; rows outside every group are 0.
     """
     tm, tk, tn = tiling
     m, k_dim = lhs_list[0].shape
@@ -155,6 +170,7 @@ def grouped_matmul_call(lhs_list: Sequence[jax.Array], rhs_list: Sequence[jax.Ar
     tiles_n, tiles_k = n_dim // tn, k_dim // tk
     meta = make_group_metadata(group_sizes, m, tm, visit_empty_groups=False, cover_tail=True)
     num_lhs, num_rhs, num_rows, num_out = len(lhs_list), len(rhs_list), len(row_inputs), len(out_dtypes)
+    num_scales, num_row_out = len(row_scales), plan.row_outputs
 
     def k_block(v, k_i, visit_group):
         # Tail visits compute nothing: pin k to block 0 so their operand blocks are fetched once.
@@ -171,15 +187,20 @@ def grouped_matmul_call(lhs_list: Sequence[jax.Array], rhs_list: Sequence[jax.Ar
     def row_map(n_i, v, k_i, starts, ends, visit_group, visit_tile):
         return visit_tile[v], n_i
 
+    def scale_map(n_i, v, k_i, starts, ends, visit_group, visit_tile):
+        return (visit_tile[v],)
+
+    def row_out_map(n_i, v, k_i, starts, ends, visit_group, visit_tile):
+        return (n_i * (m // tm) + visit_tile[v],)  # flat [tiles_n * m]: a 1-D block needs no sublane rule
+
     rhs_block = (None, tn, tk) if plan.transpose_rhs else (None, tk, tn)
     contract = (((1,), (1,)), ((), ())) if plan.transpose_rhs else (((1,), (0,)), ((), ()))
 
     def kernel(starts, ends, visit_group, visit_tile, *refs):
-        lhs_refs = refs[:num_lhs]
-        rhs_refs = refs[num_lhs:num_lhs + num_rhs]
-        row_refs = refs[num_lhs + num_rhs:num_lhs + num_rhs + num_rows]
-        out_refs = refs[num_lhs + num_rhs + num_rows:num_lhs + num_rhs + num_rows + num_out]
-        acc_refs = refs[num_lhs + num_rhs + num_rows + num_out:]
+        refs = iter(refs)
+        lhs_refs, rhs_refs, row_refs, scale_refs, out_refs, row_out_refs, acc_refs = (
+            [next(refs) for _ in range(count)] for count in
+            (num_lhs, num_rhs, num_rows, num_scales, num_out, num_row_out, plan.num_accumulators))
         v, k_i = pl.program_id(1), pl.program_id(2)
         group = visit_group[v]
         tile = visit_tile[v]
@@ -187,7 +208,7 @@ def grouped_matmul_call(lhs_list: Sequence[jax.Array], rhs_list: Sequence[jax.Ar
 
         @pl.when(jnp.logical_and(k_i == 0, first_visit_of_tile))
         def _zero_outputs():
-            for out_ref in out_refs:
+            for out_ref in out_refs + row_out_refs:
                 out_ref[...] = jnp.zeros(out_ref.shape, out_ref.dtype)
 
         @pl.when(group < num_groups)
@@ -204,33 +225,39 @@ def grouped_matmul_call(lhs_list: Sequence[jax.Array], rhs_list: Sequence[jax.Ar
 
             @pl.when(k_i == tiles_k - 1)
             def _store():
-                rows = tile * tm + jax.lax.broadcasted_iota(jnp.int32, (tm, tn), 0)
-                in_group = jnp.logical_and(rows >= starts[group], rows < ends[group])
+                rows = tile * tm + jax.lax.broadcasted_iota(jnp.int32, (tm, 1), 0)
+                in_group = jnp.logical_and(rows >= starts[group], rows < ends[group])  # [tm, 1]
                 results = plan.epilogue([acc[...] for acc in acc_refs],
-                                        [ref[...].astype(jnp.float32) for ref in row_refs])
-                for out_ref, result in zip(out_refs, results):
-                    kept = out_ref[...].astype(jnp.float32)
-                    out_ref[...] = jnp.where(in_group, result, kept).astype(out_ref.dtype)
+                                        [ref[...].astype(jnp.float32) for ref in row_refs],
+                                        [ref[...].reshape(tm, 1) for ref in scale_refs])
+                for out_ref, result in zip(out_refs + row_out_refs, results):
+                    kept = out_ref[...].astype(jnp.float32).reshape(result.shape)
+                    out_ref[...] = jnp.where(in_group, result, kept).reshape(out_ref.shape).astype(out_ref.dtype)
 
     in_itemsize = sum(x.dtype.itemsize for x in lhs_list) * tm * tk + \
-        sum(w.dtype.itemsize for w in rhs_list) * tk * tn + sum(r.dtype.itemsize for r in row_inputs) * tm * tn
-    out_itemsize = sum(jnp.dtype(d).itemsize for d in out_dtypes) * tm * tn
+        sum(w.dtype.itemsize for w in rhs_list) * tk * tn + sum(r.dtype.itemsize for r in row_inputs) * tm * tn \
+        + 4 * tm * num_scales
+    out_itemsize = sum(jnp.dtype(d).itemsize for d in out_dtypes) * tm * tn + 4 * tm * num_row_out
     vmem_estimate = 2 * (in_itemsize + out_itemsize) + 4 * tm * tn * plan.num_accumulators
     flops = 2 * m * k_dim * n_dim * len(plan.products)
     bytes_accessed = (sum(x.size * x.dtype.itemsize for x in lhs_list) * tiles_n
                       + sum(w.size * w.dtype.itemsize for w in rhs_list)
                       + sum(r.size * r.dtype.itemsize for r in row_inputs)
+                      + 4 * m * (num_scales + num_row_out) * tiles_n
                       + sum(m * n_dim * jnp.dtype(d).itemsize for d in out_dtypes))
     call = pl.pallas_call(
         kernel,
-        out_shape=[jax.ShapeDtypeStruct((m, n_dim), d) for d in out_dtypes],
+        out_shape=[jax.ShapeDtypeStruct((m, n_dim), d) for d in out_dtypes]
+        + [jax.ShapeDtypeStruct((tiles_n * m,), jnp.float32) for _ in range(num_row_out)],
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=4,
             grid=(tiles_n, meta.num_visits, tiles_k),
             in_specs=[pl.BlockSpec((tm, tk), lhs_map) for _ in lhs_list]
             + [pl.BlockSpec(rhs_block, rhs_map) for _ in rhs_list]
-            + [pl.BlockSpec((tm, tn), row_map) for _ in row_inputs],
-            out_specs=[pl.BlockSpec((tm, tn), row_map) for _ in out_dtypes],
+            + [pl.BlockSpec((tm, tn), row_map) for _ in row_inputs]
+            + [pl.BlockSpec((tm,), scale_map) for _ in row_scales],
+            out_specs=[pl.BlockSpec((tm, tn), row_map) for _ in out_dtypes]
+            + [pl.BlockSpec((tm,), row_out_map) for _ in range(num_row_out)],
             scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32) for _ in range(plan.num_accumulators)],
         ),
         compiler_params=pltpu.CompilerParams(
@@ -241,16 +268,19 @@ def grouped_matmul_call(lhs_list: Sequence[jax.Array], rhs_list: Sequence[jax.Ar
             transcendentals=m * n_dim * num_out * plan.transcendentals_per_output),
         interpret=interpret,
     )
-    return list(call(meta.group_starts, meta.group_ends, meta.visit_group, meta.visit_tile,
-                     *lhs_list, *rhs_list, *row_inputs))
+    outputs = call(meta.group_starts, meta.group_ends, meta.visit_group, meta.visit_tile,
+                   *lhs_list, *rhs_list, *row_inputs, *row_scales)
+    return list(outputs[:num_out]) + [out.reshape(tiles_n, m) for out in outputs[num_out:]]
 
 
 # ------------------------------------------------------------------------------ engine: k x m @ m x n
 
 
 def grouped_transposed_call(lhs: jax.Array, grads: Sequence[jax.Array], group_sizes: jax.Array, *,
-                            out_dtype: jnp.dtype, tiling: Tiling, interpret: bool) -> list[jax.Array]:
+                            out_dtype: jnp.dtype, tiling: Tiling, interpret: bool,
+                            row_scale: jax.Array | None = None) -> list[jax.Array]:
     """out_j[g] = lhs[rows of g].T @ grads_j[rows of g] for each grad; lhs [m, K], grads [m, N] -> [G, K, N].
+    With row_scale [m] float32, each row of the grads is scaled by it first (in f32, inside the kernel).
 
     Operands must be tile aligned (m % tm == 0, K % tk == 0, N % tn == 0, or equal to the tile). Rows past
     sum(group_sizes) are ignored; empty groups give zeros.
@@ -264,6 +294,7 @@ def grouped_transposed_call(lhs: jax.Array, grads: Sequence[jax.Array], group_si
     tiles_k, tiles_n = k_dim // tk, n_dim // tn
     meta = make_group_metadata(group_sizes, m, tm, visit_empty_groups=True, cover_tail=False)
     num_grads = len(grads)
+    scales = [] if row_scale is None else [row_scale]
 
     def lhs_map(k_i, n_i, v, starts, ends, visit_group, visit_tile):
         return visit_tile[v], k_i
@@ -274,10 +305,14 @@ def grouped_transposed_call(lhs: jax.Array, grads: Sequence[jax.Array], group_si
     def out_map(k_i, n_i, v, starts, ends, visit_group, visit_tile):
         return visit_group[v], k_i, n_i
 
+    def scale_map(k_i, n_i, v, starts, ends, visit_group, visit_tile):
+        return (visit_tile[v],)
+
     def kernel(starts, ends, visit_group, visit_tile, lhs_ref, *refs):
         grad_refs = refs[:num_grads]
-        out_refs = refs[num_grads:2 * num_grads]
-        acc_refs = refs[2 * num_grads:]
+        scale_refs = refs[num_grads:num_grads + len(scales)]
+        out_refs = refs[num_grads + len(scales):2 * num_grads + len(scales)]
+        acc_refs = refs[2 * num_grads + len(scales):]
         v = pl.program_id(2)
         last = pl.num_programs(2) - 1
         group = visit_group[v]
@@ -293,15 +328,17 @@ def grouped_transposed_call(lhs: jax.Array, grads: Sequence[jax.Array], group_si
         def _compute():
             first_row = visit_tile[v] * tm
 
-            def rows_of_group(x):
+            def rows_of_group(x, scale=None):
                 # Mask in f32 (v5e has no bf16 VPU); rows of other groups and padding must not contribute.
-                rows = first_row + jax.lax.broadcasted_iota(jnp.int32, x.shape, 0)
+                rows = first_row + jax.lax.broadcasted_iota(jnp.int32, (x.shape[0], 1), 0)
                 keep = jnp.logical_and(rows >= starts[group], rows < ends[group])
-                return jnp.where(keep, x.astype(jnp.float32), 0.0)
+                x = x.astype(jnp.float32) if scale is None else x.astype(jnp.float32) * scale
+                return jnp.where(keep, x, 0.0)
 
             lhs_t = rows_of_group(lhs_ref[...]).T.astype(lhs_ref.dtype)  # [tk, tm]
+            scale = scale_refs[0][...].reshape(tm, 1) if scale_refs else None
             for grad_ref, acc_ref in zip(grad_refs, acc_refs):
-                acc_ref[...] += jnp.dot(lhs_t, rows_of_group(grad_ref[...]).astype(grad_ref.dtype),
+                acc_ref[...] += jnp.dot(lhs_t, rows_of_group(grad_ref[...], scale).astype(grad_ref.dtype),
                                         preferred_element_type=jnp.float32)
 
         @pl.when(group_ends)
@@ -311,14 +348,15 @@ def grouped_transposed_call(lhs: jax.Array, grads: Sequence[jax.Array], group_si
 
     out_bytes = jnp.dtype(out_dtype).itemsize
     vmem_estimate = 2 * (tm * tk * lhs.dtype.itemsize + sum(tm * tn * g.dtype.itemsize for g in grads)
-                         + num_grads * tk * tn * out_bytes) + num_grads * tk * tn * 4 + 4 * tm * tk
+                         + 4 * tm * len(scales) + num_grads * tk * tn * out_bytes) + num_grads * tk * tn * 4 + 4 * tm * tk
     call = pl.pallas_call(
         kernel,
         out_shape=[jax.ShapeDtypeStruct((num_groups, k_dim, n_dim), out_dtype) for _ in grads],
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=4,
             grid=(tiles_k, tiles_n, meta.num_visits),
-            in_specs=[pl.BlockSpec((tm, tk), lhs_map)] + [pl.BlockSpec((tm, tn), grad_map) for _ in grads],
+            in_specs=[pl.BlockSpec((tm, tk), lhs_map)] + [pl.BlockSpec((tm, tn), grad_map) for _ in grads]
+            + [pl.BlockSpec((tm,), scale_map) for _ in scales],
             out_specs=[pl.BlockSpec((None, tk, tn), out_map) for _ in grads],
             scratch_shapes=[pltpu.VMEM((tk, tn), jnp.float32) for _ in grads],
         ),
@@ -328,53 +366,83 @@ def grouped_transposed_call(lhs: jax.Array, grads: Sequence[jax.Array], group_si
         cost_estimate=pl.CostEstimate(
             flops=2 * m * k_dim * n_dim * num_grads,
             bytes_accessed=lhs.size * lhs.dtype.itemsize * tiles_n
-            + sum(g.size * g.dtype.itemsize for g in grads) * tiles_k
+            + sum(g.size * g.dtype.itemsize for g in grads) * tiles_k + 4 * m * len(scales) * tiles_k * tiles_n
             + num_grads * num_groups * k_dim * n_dim * out_bytes,
             transcendentals=0),
         interpret=interpret,
     )
-    return list(call(meta.group_starts, meta.group_ends, meta.visit_group, meta.visit_tile, lhs, *grads))
+    return list(call(meta.group_starts, meta.group_ends, meta.visit_group, meta.visit_tile, lhs, *grads, *scales))
 
 
 # ------------------------------------------------------------------------------------------ gmm / tgmm
 
-_GMM_PLAN = MatmulPlan(products=((0, 0, 0),), num_accumulators=1, epilogue=_identity_epilogue)
+_GMM_PLAN = MatmulPlan(products=((0, 0, 0),), num_accumulators=1, epilogue=identity_epilogue)
 _GMM_TRANSPOSED_PLAN = dataclasses.replace(_GMM_PLAN, transpose_rhs=True)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _gmm_aligned(lhs, rhs, group_sizes, tiling, interpret):
-    (out,) = grouped_matmul_call([lhs], [rhs], [], group_sizes, plan=_GMM_PLAN, out_dtypes=[lhs.dtype],
-                                 tiling=tiling, interpret=interpret)
+def _weighted_epilogue(accumulators, row_inputs, row_scales):
+    del row_inputs
+    (acc,), (weight,) = accumulators, row_scales
+    return (acc * weight,)
+
+
+def _weighted_input_grad_epilogue(accumulators, row_inputs, row_scales):
+    """acc = grad @ rhs.T (unweighted) -> (d lhs = weight * acc, d weight's part of this n tile =
+    sum(lhs * acc) over the tile's columns)."""
+    (acc,), (lhs,), (weight,) = accumulators, row_inputs, row_scales
+    return acc * weight, jnp.sum(lhs * acc, axis=1, keepdims=True)
+
+
+_WEIGHTED_PLAN = dataclasses.replace(_GMM_PLAN, epilogue=_weighted_epilogue)
+_WEIGHTED_INPUT_GRAD_PLAN = MatmulPlan(products=((0, 0, 0),), num_accumulators=1, transpose_rhs=True,
+                                       epilogue=_weighted_input_grad_epilogue, row_outputs=1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _gmm_aligned(lhs, rhs, row_weight, group_sizes, tiling, interpret):
+    """lhs [m, k] @ rhs[g] per group, times row_weight [m] float32 when it is not None."""
+    weighted = row_weight is not None
+    (out,) = grouped_matmul_call([lhs], [rhs], [], group_sizes, plan=_WEIGHTED_PLAN if weighted else _GMM_PLAN,
+                                 out_dtypes=[lhs.dtype], tiling=tiling, interpret=interpret,
+                                 row_scales=[row_weight] if weighted else [])
     return out
 
 
-def _gmm_aligned_fwd(lhs, rhs, group_sizes, tiling, interpret):
-    return _gmm_aligned(lhs, rhs, group_sizes, tiling, interpret), (lhs, rhs, group_sizes)
+def _gmm_aligned_fwd(lhs, rhs, row_weight, group_sizes, tiling, interpret):
+    return _gmm_aligned(lhs, rhs, row_weight, group_sizes, tiling, interpret), (lhs, rhs, row_weight, group_sizes)
 
 
 def _gmm_aligned_bwd(tiling, interpret, residuals, grad_out):
-    lhs, rhs, group_sizes = residuals
+    lhs, rhs, row_weight, group_sizes = residuals
     tm, tk, tn = tiling
     grad_out = grad_out.astype(lhs.dtype)
     # d lhs = grad_out @ rhs[g].T: the same engine with rhs read transposed (contract over n).
-    (grad_lhs,) = grouped_matmul_call([grad_out], [rhs], [], group_sizes, plan=_GMM_TRANSPOSED_PLAN,
-                                      out_dtypes=[lhs.dtype], tiling=(tm, tn, tk), interpret=interpret)
+    if row_weight is None:
+        (grad_lhs,) = grouped_matmul_call([grad_out], [rhs], [], group_sizes, plan=_GMM_TRANSPOSED_PLAN,
+                                          out_dtypes=[lhs.dtype], tiling=(tm, tn, tk), interpret=interpret)
+        grad_weight = None
+    else:  # the weight applied, and its gradient taken, in the epilogue (lhs read as a row input)
+        grad_lhs, grad_weight = grouped_matmul_call(
+            [grad_out], [rhs], [lhs], group_sizes, plan=_WEIGHTED_INPUT_GRAD_PLAN, out_dtypes=[lhs.dtype],
+            tiling=(tm, tn, tk), interpret=interpret, row_scales=[row_weight])
+        grad_weight = jnp.sum(grad_weight, axis=0)  # [k tiles, m] -> [m]
     (grad_rhs,) = grouped_transposed_call(lhs, [grad_out], group_sizes, out_dtype=rhs.dtype,
-                                          tiling=tiling, interpret=interpret)
-    return grad_lhs, grad_rhs, None
+                                          tiling=tiling, interpret=interpret, row_scale=row_weight)
+    return grad_lhs, grad_rhs, grad_weight, None
 
 
 _gmm_aligned.defvjp(_gmm_aligned_fwd, _gmm_aligned_bwd)
 
 
-def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, tiling: Sequence[int] | None = None,
-        interpret: bool | None = None) -> jax.Array:
+def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, row_weight: jax.Array | None = None,
+        tiling: Sequence[int] | None = None, interpret: bool | None = None) -> jax.Array:
     """Grouped matmul: out[rows of g] = lhs[rows of g] @ rhs[g]; lhs [m, k], rhs [G, k, n] -> [m, n].
 
     Rows are sorted by group (group g owns the next group_sizes[g] rows). Rows past sum(group_sizes) give
-    0; sizes that overrun m are clipped. Output dtype = lhs dtype (f32 accumulation). Differentiable in
-    lhs and rhs. tiling=(tm, tk, tn), default per TPU generation (DEFAULT_TILING).
+    0; sizes that overrun m are clipped. Output dtype = lhs dtype (f32 accumulation). row_weight [m]
+    (float32): each row's result times its weight, applied to the f32 accumulator before the output is
+    rounded (the MoE combine's router weight). Differentiable in lhs, rhs and row_weight.
+    tiling=(tm, tk, tn), default per TPU generation (DEFAULT_TILING).
     """
     if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != rhs.shape[1]:
         raise ValueError(f"gmm expects lhs [m, k] and rhs [G, k, n]; got {lhs.shape} and {rhs.shape}")
@@ -383,13 +451,16 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, tiling: Seque
     check_group_sizes(group_sizes, rhs.shape[0])
     m, k = lhs.shape
     n = rhs.shape[2]
+    if row_weight is not None and row_weight.shape != (m,):
+        raise ValueError(f"row_weight must have shape ({m},) (one weight per row of lhs); got {row_weight.shape}")
     if m == 0:
         return jnp.zeros((0, n), lhs.dtype)
     tm, tk, tn = effective_tiling(m, k, n, tiling)
     mp, kp, np_ = round_up(m, tm), round_up(k, tk), round_up(n, tn)
     dtype = jnp.promote_types(lhs.dtype, rhs.dtype)
+    weight = None if row_weight is None else pad_to(row_weight.astype(jnp.float32), (mp,))
     out = _gmm_aligned(pad_to(lhs.astype(dtype), (mp, kp)), pad_to(rhs.astype(dtype), (rhs.shape[0], kp, np_)),
-                       group_sizes, (tm, tk, tn), pallas_interpret(interpret))
+                       weight, group_sizes, (tm, tk, tn), pallas_interpret(interpret))
     return out[:m, :n].astype(lhs.dtype)
 
 

@@ -20,18 +20,19 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-from smelt_jax.kernels.gmm import MatmulPlan, grouped_matmul_call, grouped_transposed_call
+from smelt_jax.kernels.gmm import MatmulPlan, grouped_matmul_call, grouped_transposed_call, identity_epilogue
 from smelt_jax.kernels.gmm_tiles import check_dtype, check_group_sizes, effective_tiling, pad_to, round_up
 from smelt_jax.kernels.backend import pallas_interpret
 
 
-def _swiglu_epilogue(accumulators, row_inputs):
-    del row_inputs
+def _swiglu_epilogue(accumulators, row_inputs, row_scales):
+    del row_inputs, row_scales
     gate, up = accumulators
     return (gate * jax.nn.sigmoid(gate) * up,)
 
 
-def _swiglu_grad_epilogue(accumulators, row_inputs):
+def _swiglu_grad_epilogue(accumulators, row_inputs, row_scales):
+    del row_scales
     gate, up = accumulators
     (grad_h,) = row_inputs
     sig = jax.nn.sigmoid(gate)
@@ -45,7 +46,7 @@ _FORWARD_PLAN = MatmulPlan(products=((0, 0, 0), (0, 1, 1)), num_accumulators=2, 
 _PREACT_GRAD_PLAN = MatmulPlan(products=((0, 0, 0), (0, 1, 1)), num_accumulators=2,
                                epilogue=_swiglu_grad_epilogue, transcendentals_per_output=1)
 _INPUT_GRAD_PLAN = MatmulPlan(products=((0, 0, 0), (1, 1, 0)), num_accumulators=1,
-                              epilogue=lambda accumulators, row_inputs: tuple(accumulators), transpose_rhs=True)
+                              epilogue=identity_epilogue, transpose_rhs=True)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))

@@ -17,15 +17,19 @@ E_l = E / n experts (n = size of `expert`; expert e lives on device e // E_l as 
    `moe_buffers.rows_per_destination(G, ...)`; None = the worst case G * min(k, E_l)); copies past it
    run in overflow passes of `moe_buffers.overflow_rows` rows, a loop of as many passes as this device
    needs. The loop holds no collective, so devices do not agree on a count.
-3. Each computed row, times its router weight, is scatter-added into its token's row of y_partial
-   [G, d] in the compute dtype (the weight cast to it and applied as the rows are added: no float32
-   [rows, d] or [G, d] array, no convert), every pass into the same buffer in place; y_partial is
-   `psum_scatter`ed over `expert`: each device gets the sum over devices for its own T_l tokens.
+3. The expert FFN weighs each row by its router weight (`expert_ffn(row_weight=...)`: on TPU in the
+   down-projection kernel's epilogue, on the f32 accumulator, so no array of unweighted or weighted rows
+   is written twice); each weighted row is scatter-added into its token's row of y_partial [G, d] in the
+   compute dtype (no float32 [rows, d] or [G, d] array, no convert), every pass into the same buffer in
+   place; y_partial is `psum_scatter`ed over `expert`: each device gets the sum over devices for its own
+   T_l tokens.
 
-Steps 2-3 are one custom VJP (`_local_experts`): the forward saves the first pass's expert rows in the
-compute dtype (no float32 [rows, d] residual); the backward gathers the cotangent's rows, and each pass
-(overflow passes recomputed) scatter-adds only its own rows into the gradients, so an overflow pass
-costs in proportion to its rows, not to G.
+Steps 2-3 are one custom VJP (`_local_experts`): the forward saves the first pass's FFN residuals (its
+input rows and hidden activations in the compute dtype, not its output rows); the backward gathers the
+cotangent's rows and hands them to the FFN's VJP, which returns the router weights' gradient with the
+others (on TPU from the down-projection's backward kernel: no [rows, d] product and reduction in XLA).
+Each pass (overflow passes recomputed) scatter-adds only its own rows into the gradients, so an overflow
+pass costs in proportion to its rows, not to G.
 
 Per device and layer this sends (n - 1) T_l d elements twice (gather, reduce-scatter) instead of two
 all-to-alls of n C d elements (C = slack T_l k / n): 2 (n-1) T_l d against 2 slack k T_l d, e.g.
@@ -99,30 +103,31 @@ def _window(order, counts, first, width: int, gathered: int, top_k: int):
 
 
 def _pass_forward(x_all, route_w, experts, window, *, capacity: int, impl: str):
-    """One pass's rows: (y_sorted [W, d] in x's dtype, weight [W] float32, the ffn's VJP)."""
+    """One pass's rows, each times its router weight: (y_sorted [W, d] in x's dtype, the ffn's VJP in x,
+    weight and experts). The weight is applied by the expert FFN (in the down-projection kernel's
+    epilogue on TPU, which also takes its gradient in its backward: kernels/gmm.py)."""
     group_sizes, copies, token, _ = window
     x_sorted = take_rows_clamped(x_all, token)  # rows past the copies: dropped by the combine
-    y_sorted, ffn_vjp = jax.vjp(
-        lambda xs, *w: expert_ffn(xs, *w, group_sizes, impl=impl, capacity=capacity), x_sorted, *experts)
-    return y_sorted, take_rows(route_w, copies), ffn_vjp
+    weight = take_rows(route_w, copies)  # [W] float32, 0 past the copies
+    return jax.vjp(lambda xs, wt, *w: expert_ffn(xs, *w, group_sizes, impl=impl, capacity=capacity,
+                                                 row_weight=wt), x_sorted, weight, *experts)
 
 
-def _combine(acc, y_sorted, weight, token):
-    """acc [G, d] += weight * y_sorted at each row's token, in y's dtype (in place; the dropped rows'
-    token is G)."""
-    return acc.at[token].add(y_sorted * weight[:, None].astype(y_sorted.dtype), mode="drop")
+def _combine(acc, y_sorted, token):
+    """acc [G, d] += the weighted rows y_sorted at each row's token, in y's dtype (in place; the dropped
+    rows' token is G)."""
+    return acc.at[token].add(y_sorted, mode="drop")
 
 
-def _pass_backward(g, y_sorted, weight, ffn_vjp, window, grads):
+def _pass_backward(g, ffn_vjp, window, grads):
     """Adds one pass's cotangents into grads = (dx_all [G, d], droute_w [G k] f32, dw_gate, dw_up, dw_down)
     (in place: scatter-adds of the pass's rows only). g [G, d] is the cotangent of the combined rows."""
     _, copies, token, _ = window
-    g_rows = take_rows_clamped(g, token).astype(jnp.float32)  # dropped rows: weight 0, dweight dropped
-    dweight = jnp.sum(g_rows * y_sorted.astype(jnp.float32), axis=1)
-    dx_sorted, *dw = ffn_vjp((g_rows * weight[:, None]).astype(y_sorted.dtype))
+    g_rows = take_rows_clamped(g, token)  # dropped rows: weight 0, their dx and dweight dropped
+    dx_sorted, dweight, *dw = ffn_vjp(g_rows)
     dx_all, droute_w, *dw_all = grads
     return (dx_all.at[token].add(dx_sorted.astype(dx_all.dtype), mode="drop"),
-            droute_w.at[copies].add(dweight, mode="drop"),
+            droute_w.at[copies].add(dweight.astype(droute_w.dtype), mode="drop"),
             *(a + b.astype(a.dtype) for a, b in zip(dw_all, dw)))
 
 
@@ -149,17 +154,16 @@ def _local_experts(x_all, route_w, experts, order, counts, *, rows: int, extra: 
 
     def forward(x_all, route_w, experts, order, counts):
         first, over, n_passes = windows(order, counts)
-        y_sorted, weight, ffn_vjp = _pass_forward(x_all, route_w, experts, first,
-                                                  capacity=min(gathered, rows), **kw)
-        y = _combine(jnp.zeros(x_all.shape, y_sorted.dtype), y_sorted, weight, first[2])
+        y_sorted, ffn_vjp = _pass_forward(x_all, route_w, experts, first, capacity=min(gathered, rows), **kw)
+        y = _combine(jnp.zeros(x_all.shape, y_sorted.dtype), y_sorted, first[2])
 
         def overflow(q, y):
             w = over(q)
-            y_q, weight_q, _ = _pass_forward(x_all, route_w, experts, w, capacity=min(gathered, extra), **kw)
-            return _combine(y, y_q, weight_q, w[2])
+            y_q, _ = _pass_forward(x_all, route_w, experts, w, capacity=min(gathered, extra), **kw)
+            return _combine(y, y_q, w[2])
         if extra:
             y = jax.lax.fori_loop(0, n_passes, overflow, y)
-        return y.astype(x_all.dtype), (y_sorted, weight, ffn_vjp)  # y's dtype is x's: no convert
+        return y.astype(x_all.dtype), ffn_vjp  # y's dtype is x's: no convert
 
     @jax.custom_vjp
     def local(x_all, route_w, experts, order, counts):
@@ -170,15 +174,15 @@ def _local_experts(x_all, route_w, experts, order, counts, *, rows: int, extra: 
         return y, (x_all, route_w, experts, order, counts, saved)
 
     def bwd(res, g):
-        x_all, route_w, experts, order, counts, (y_sorted, weight, ffn_vjp) = res
+        x_all, route_w, experts, order, counts, ffn_vjp = res
         first, over, n_passes = windows(order, counts)
         zeros = (jnp.zeros_like(x_all), jnp.zeros_like(route_w), *(jnp.zeros_like(w) for w in experts))
-        grads = _pass_backward(g, y_sorted, weight, ffn_vjp, first, zeros)
+        grads = _pass_backward(g, ffn_vjp, first, zeros)
 
         def overflow(q, grads):
             w = over(q)
-            y_q, weight_q, vjp_q = _pass_forward(x_all, route_w, experts, w, capacity=min(gathered, extra), **kw)
-            return _pass_backward(g, y_q, weight_q, vjp_q, w, grads)
+            _, vjp_q = _pass_forward(x_all, route_w, experts, w, capacity=min(gathered, extra), **kw)
+            return _pass_backward(g, vjp_q, w, grads)
         if extra:
             # The loop carries the first pass's dx (the reduce-scatter's operand) but not its weight
             # gradients, added after: so the first pass's weight-gradient kernels depend on nothing the
