@@ -43,6 +43,17 @@ def _routing(kind, t, rng):
     raise ValueError(kind)
 
 
+def _random_routed_problem(seed: int, t: int, d: int):
+    """t random float32 tokens of width d, random routing over E experts (k = K), softmax router weights,
+    expert weights, the dispatch plan and an 8-device expert mesh: (tokens, route_w, experts, plan, mesh)."""
+    rng = np.random.default_rng(seed)
+    tokens = jnp.asarray(rng.normal(size=(t, d)).astype(np.float32))
+    ids = jnp.asarray(_routing("random", t, rng).astype(np.int32))
+    route_w = jax.nn.softmax(jnp.asarray(rng.normal(size=(t, K)).astype(np.float32)), axis=-1)
+    experts = [jnp.asarray(0.3 * rng.normal(size=shape).astype(np.float32)) for shape in ((E, d, F),) * 2 + ((E, F, d),)]
+    return tokens, route_w, experts, dispatch(ids, E, None), sharding.make_mesh(Parallelism(data=1, expert=8))
+
+
 @pytest.mark.parametrize("layout,t,kind,capacity,slack", [
     ({"data": 1, "expert": 8}, 40, "random", None, 1.5),
     ({"data": 1, "expert": 8}, 15, "random", None, None),  # odd token count, worst-case buffer
@@ -255,14 +266,7 @@ def test_the_ring_holds_its_local_tokens_row_major_only_where_d_does_not_fill_la
     [G, d] buffers with it (a transposing copy of [G, d] per layer and direction, docs/roofline.md): the
     ring holds its [T_l, d] input and output row-major there, and leaves every other program as it was
     (no constraint at d = 128). The values are the same either way (the tests above run at d = 16)."""
-    rng = np.random.default_rng(7)
-    t = 24
-    tokens = jnp.asarray(rng.normal(size=(t, d)).astype(np.float32))
-    ids = jnp.asarray(_routing("random", t, rng).astype(np.int32))
-    route_w = jax.nn.softmax(jnp.asarray(rng.normal(size=(t, K)).astype(np.float32)), axis=-1)
-    experts = [jnp.asarray(0.3 * rng.normal(size=shape).astype(np.float32)) for shape in ((E, d, F),) * 2 + ((E, F, d),)]
-    plan = dispatch(ids, E, None)
-    mesh = sharding.make_mesh(Parallelism(data=1, expert=8))
+    tokens, route_w, experts, plan, mesh = _random_routed_problem(7, 24, d)
 
     def ring(x, rw, wg, wu, wd):
         return ring_expert_outputs(x, plan, rw, wg, wu, wd, backend="capacity", mesh=mesh, slack=0.5)
@@ -271,7 +275,7 @@ def test_the_ring_holds_its_local_tokens_row_major_only_where_d_does_not_fill_la
         forward = _layout_constraints(jax.make_jaxpr(ring)(tokens, route_w, *experts).jaxpr)
         backward = _layout_constraints(jax.make_jaxpr(
             lambda *a: jax.grad(lambda *b: jnp.sum(ring(*b) ** 2), argnums=0)(*a))(tokens, route_w, *experts).jaxpr)
-    local = t // 8
+    local = tokens.shape[0] // 8
     if d % 128:
         assert forward == [((local, d), (0, 1))] * 2  # the input and the reduce-scatter's output
         assert len(backward) == 4 and set(backward) == {((local, d), (0, 1))}  # and both cotangents
@@ -301,14 +305,7 @@ def test_the_tpu_kernels_weigh_the_rows_and_take_the_weight_gradient_in_the_down
     epilogue and its gradient taken in that kernel's backward, so the shard_map's XLA program multiplies
     and sums no array of expert rows [rows, d], forward or backward (the `capacity` backend, which
     multiplies the rows after its FFN, shows the check sees them)."""
-    rng = np.random.default_rng(9)
-    t = 24
-    tokens = jnp.asarray(rng.normal(size=(t, D)).astype(np.float32))
-    ids = jnp.asarray(_routing("random", t, rng).astype(np.int32))
-    route_w = jax.nn.softmax(jnp.asarray(rng.normal(size=(t, K)).astype(np.float32)), axis=-1)
-    experts = [jnp.asarray(0.3 * rng.normal(size=shape).astype(np.float32)) for shape in ((E, D, F),) * 2 + ((E, F, D),)]
-    plan = dispatch(ids, E, None)
-    mesh = sharding.make_mesh(Parallelism(data=1, expert=8))
+    tokens, route_w, experts, plan, mesh = _random_routed_problem(9, 24, D)
 
     def loss(x, rw, wg, wu, wd):
         y = ring_expert_outputs(x, plan, rw, wg, wu, wd, backend=backend, mesh=mesh, slack=0.5)
