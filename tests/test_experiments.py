@@ -152,7 +152,8 @@ def test_every_suite_lists_as_before(capsys):
     (layers unrolled, 'async'; the S85 Baseline from remat full to none), no id; then the rest of 100M and
     all of 200M (layers unrolled, 'async', remat none: 100M S97 and 200M S0-S97, the 200M S85 Baseline from
     dots to none), no id; then all of 600M (layers unrolled, 'async', remat none: the S95 and S97
-    Baselines from full, every other 600M row but the S0 Baseline from dots), no id."""
+    Baselines from full, every other 600M row but the S0 Baseline from dots), no id; then 1.6B S85-S97
+    (layers unrolled, 'async', remat none: the three Baselines from dots), no id."""
     assert cli_main(["experiments", "list", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     golden = json.loads(GOLDEN_LIST.read_text())
