@@ -349,3 +349,15 @@ def test_pallas_expert_ffn_with_row_weights_matches_the_weighted_dense_ffn(case)
     refs = jax.grad(lambda *a: jnp.sum(dense(*a) * probe), tuple(range(5)))(*args)
     for name, grad, ref_grad in zip(("x", "w_gate", "w_up", "w_down", "row_weight"), grads, refs):
         assert _max_err(grad, ref_grad) <= 1e-4 * _scale(ref_grad), name
+
+
+def test_row_weights_need_lane_wide_row_tiles_for_mosaic():
+    """A per-row array's 1-D blocks must be 128-lane multiples or the whole array for Mosaic: a 32-row
+    tile of 100 rows is refused before Mosaic sees it (interpret mode takes any tile)."""
+    m, k, n = 100, 96, 160
+    sizes = jnp.asarray(GROUP_CASES["random_with_empty"], jnp.int32)
+    lhs, rhs = _rng_arrays(13, [(m, k), (6, k, n)], jnp.float32)
+    weight = jnp.ones((m,), jnp.float32)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        gmm(lhs, rhs, sizes, row_weight=weight, tiling=TILING, interpret=False)
+    # (128-row tiles pass the check and compile: tests/test_kernels_tpu_aot.py, with row weights)

@@ -109,6 +109,15 @@ def make_group_metadata(group_sizes: jax.Array, num_rows: int, row_tile: int, *,
     return GroupMetadata(starts, ends, visit_group, visit_tile, visit_end[-1])
 
 
+def _check_row_blocks(tm: int, rows: int | None, *, interpret: bool) -> None:
+    """Mosaic takes a 1-D block of a per-row array (row scales, per-row outputs) only when it is a
+    multiple of 128 lanes or the whole array (`rows`; None: no block is the whole array): tm must be one
+    or the other where the kernel compiles."""
+    if not interpret and tm % 128 and tm != rows:
+        raise ValueError(f"per-row inputs or outputs need a row tile that is a multiple of 128 or all "
+                         f"{rows} rows for Mosaic; got tm={tm} (use the default tiling)")
+
+
 # ------------------------------------------------------------------------------------ engine: m x k @ k x n
 
 
@@ -171,6 +180,8 @@ def grouped_matmul_call(lhs_list: Sequence[jax.Array], rhs_list: Sequence[jax.Ar
     meta = make_group_metadata(group_sizes, m, tm, visit_empty_groups=False, cover_tail=True)
     num_lhs, num_rhs, num_rows, num_out = len(lhs_list), len(rhs_list), len(row_inputs), len(out_dtypes)
     num_scales, num_row_out = len(row_scales), plan.row_outputs
+    if num_scales or num_row_out:  # a per-row output is one flat [tiles_n * m] array: whole only at 1 tile
+        _check_row_blocks(tm, m if num_row_out == 0 or tiles_n == 1 else None, interpret=interpret)
 
     def k_block(v, k_i, visit_group):
         # Tail visits compute nothing: pin k to block 0 so their operand blocks are fetched once.
@@ -295,6 +306,8 @@ def grouped_transposed_call(lhs: jax.Array, grads: Sequence[jax.Array], group_si
     meta = make_group_metadata(group_sizes, m, tm, visit_empty_groups=True, cover_tail=False)
     num_grads = len(grads)
     scales = [] if row_scale is None else [row_scale]
+    if scales:
+        _check_row_blocks(tm, m, interpret=interpret)
 
     def lhs_map(k_i, n_i, v, starts, ends, visit_group, visit_tile):
         return visit_tile[v], k_i
