@@ -176,7 +176,8 @@ def test_a_layout_records_its_exchange_without_changing_ids_at_auto():
 
 def test_the_ring_saves_its_rows_in_the_compute_dtype_and_no_float32_rows():
     """bfloat16 tokens and experts, overflow passes compiled in: the residuals the backward keeps hold
-    no float32 array of rows (last dim d); the expert rows are saved in bfloat16."""
+    no float32 array of rows (last dim d); the FFN's input rows are saved in bfloat16 (its output rows are
+    not saved at all: the router weight's gradient comes from the FFN's backward)."""
     rng = np.random.default_rng(3)
     t = 40
     tokens = jnp.asarray(rng.normal(size=(t, D)), jnp.bfloat16)
@@ -193,7 +194,7 @@ def test_the_ring_saves_its_rows_in_the_compute_dtype_and_no_float32_rows():
         _, vjp = jax.vjp(ring, tokens, route_w, *experts)
     saved = [leaf for leaf in jax.tree.leaves(vjp) if hasattr(leaf, "dtype") and leaf.ndim >= 2]
     rows = [leaf for leaf in saved if leaf.shape[-1] == D]
-    assert any(leaf.dtype == jnp.bfloat16 for leaf in rows)  # the expert rows are among the residuals
+    assert any(leaf.dtype == jnp.bfloat16 for leaf in rows)  # the FFN's input rows are among the residuals
     assert not [leaf.shape for leaf in rows if leaf.dtype == jnp.float32]
 
 
