@@ -10,7 +10,8 @@ Interconnect BW" 2400/1600/4800/3584 Gbps; v5p's page also gives it as 1200 GB/s
 per chip is what a collective's sends share; the chip's links are spread evenly over its torus axes,
 two per axis, so one axis carries egress / torus_dims), HBM bandwidth from the same pages and the
 generations' spec sheets (v4 1,200 GB/s, v5e 819 GB/s, v5p 2,765 GB/s, v6e 1,640 GB/s), the GKE TPU
-pages (node labels, topologies, 4 chips per host on multi-host slices) and the vendors' data sheets for the GPUs (dense bf16, no sparsity).
+pages (node labels, topologies, 4 chips per host on multi-host slices) and the vendors' data sheets for the
+GPUs (dense bf16, no sparsity; HBM size and bandwidth of the H100 SXM5 and H200 SXM, 3.35 and 4.8 TB/s).
 """
 
 from __future__ import annotations
@@ -52,8 +53,8 @@ TPU_CHIPS = {
                 runtime_version="v2-alpha-tpuv6e"),
 }
 GPU_CHIPS = {
-    "H100": Chip("H100", peak_flops=989e12),
-    "H200": Chip("H200", peak_flops=989e12),
+    "H100": Chip("H100", peak_flops=989e12, hbm_bytes=80 * 10**9, hbm_bytes_per_second=3.35e12),  # SXM5
+    "H200": Chip("H200", peak_flops=989e12, hbm_bytes=141 * 10**9, hbm_bytes_per_second=4.8e12),
     "A100": Chip("A100", peak_flops=312e12),
 }
 
