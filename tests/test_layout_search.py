@@ -366,3 +366,56 @@ def test_a_cached_compile_analysed_by_an_older_walk_is_walked_again_from_its_hlo
     assert report.analysis_version == cr.ANALYSIS_VERSION
     assert report.hbm_traffic_bytes == pytest.approx(hbm_bytes(GATHER_SCATTER_HLO).total)
     assert json.loads(path.read_text())["report"]["analysis_version"] == cr.ANALYSIS_VERSION  # rewritten
+
+
+def test_a_kept_candidate_of_an_older_program_is_compiled_again_and_the_rest_compared_as_recorded(
+        tmp_path, monkeypatch):
+    """After a PROGRAM_VERSION bump a report compiles one candidate per configuration (the kept one),
+    lists the older records it compared, stores the version in cache and ledger; a run that compiles
+    nothing keeps the older program's record and says so."""
+    from smelt_jax.compile.program_flops import ProgramFlops
+    from smelt_jax.compile.results_ledger import Ledger
+
+    run = _run("100m/s95/smelt")
+    calls = []
+    fake = _fake_compiler(lambda p: True, calls)
+
+    def compile_fn(run_, slice_name, layout, remat, hlo_path=None):
+        r = fake(run_, slice_name, layout, remat)
+        step = {"auto": 0.30, "ring": 0.25}[layout.exchange] - 0.01 * REMAT_ORDER.index(remat)
+        # every later compile of the same candidate is a little faster (a program that lost some work)
+        step -= 0.001 * sum(c == (run_.id, remat) for c in calls[:-1])
+        return dataclasses.replace(r, step_seconds=step, analysis_version=cr.ANALYSIS_VERSION)
+
+    def trace_fn(run_, slice_name, layout, remat):
+        return ProgramFlops(64 * 40e12, {"dot_general": 64 * 40e12}, 0, 0), 1.0
+
+    ledger_file = tmp_path / "compile_results.jsonl"
+    kwargs = dict(suite="smelt16", results_out=ledger_file, compile_fn=compile_fn, trace_fn=trace_fn,
+                  libtpu=(True, ""), cache_dir=tmp_path / "cache")
+    first = ls.compile_suite([run], SCAN_ONLY, **kwargs).results[0]
+    assert len(calls) == 4 and first.older_programs == () and not first.chosen_is_older
+    kept = ls.Candidate(first.chosen)
+    assert ls.recorded_program(run, kept, tmp_path / "cache") == ls.PROGRAM_VERSION
+
+    monkeypatch.setattr(ls, "PROGRAM_VERSION", ls.PROGRAM_VERSION + 1)  # a change that alters every program
+    second = ls.compile_suite([run], SCAN_ONLY, **kwargs).results[0]
+    assert len(calls) == 5 and calls[-1] == (run.id, kept.layout.remat)  # only the kept one, once
+    assert second.chosen == first.chosen and second.report.step_seconds == pytest.approx(
+        first.report.step_seconds - 0.001)
+    assert kept.label not in second.older_programs and len(second.older_programs) == 3
+    assert ls.recorded_program(run, kept, tmp_path / "cache") == ls.PROGRAM_VERSION
+    ledger = Ledger.load(ledger_file)
+    versions = sorted(ledger.program(name) for name in ledger.records)
+    assert versions == [ls.PROGRAM_VERSION - 1] * 3 + [ls.PROGRAM_VERSION]
+    lines = ls.program_lines([second])
+    assert "1 of 1 kept programs were compiled by this checkout's program. 3 record(s)" in lines[-1]
+
+    # Another bump, and a report run that compiles nothing: the older record answers and is named.
+    monkeypatch.setattr(ls, "PROGRAM_VERSION", ls.PROGRAM_VERSION + 1)
+    third = ls.compile_suite([run], SCAN_ONLY, cached_only=True, **kwargs).results[0]
+    assert len(calls) == 5 and third.chosen == first.chosen and third.chosen_is_older
+    assert "0 of 1 kept programs" in ls.program_lines([third])[-1] and run_key(run) in ls.program_lines([third])[-1]
+    # On a clone (no cache, the ledger from git) the same versions are read from the ledger.
+    clone = ls.compile_suite([run], SCAN_ONLY, **{**kwargs, "cache_dir": tmp_path / "fresh"}).results[0]
+    assert len(calls) == 6 and not clone.chosen_is_older  # the kept one compiled again, the others read

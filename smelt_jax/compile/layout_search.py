@@ -35,7 +35,7 @@ from typing import Any
 from smelt_jax.compile.candidates import (HBM_HEADROOM, Candidate, SearchPolicy, candidates,  # noqa: F401
                                           fits_with_headroom)
 from smelt_jax.compile.checkpoint_cadence import cadence_document, save_bytes
-from smelt_jax.compile.layout_table import (BEGIN, END, TABLE_HEADER, render_table,  # noqa: F401 (re-exported)
+from smelt_jax.compile.layout_table import (BEGIN, END, TABLE_HEADER, program_lines, render_table,  # noqa: F401
                                             replace_generated, table_row)
 from smelt_jax.compile.collective_form import best_collectives
 from smelt_jax.compile.isolated import CompileCrashed, Isolated
@@ -63,6 +63,14 @@ from smelt_jax.platform.paths import checkout_root
 CACHE_VERSION = 5  # 2: Pallas lane tiles chosen to pad least; HLO kept. 3: splash + ragged defaults on TPU
 # 4: d and f one block in the expert kernels (kernels/gmm.py ONE_BLOCK_LANES); ring exchange candidates
 # 5: a looped model's scans of distinct lengths (model/layer.py distinct_scan_lengths; Baselines unchanged)
+# Bump when a change alters the compiled programs but not how a configuration's candidates rank (a kernel
+# that removes the same work from every candidate): every record keeps the version of the program that made
+# it (`recorded_program`); records of an older program still answer for the candidates the search compares
+# and rejects, and the candidate it keeps is compiled again (`search_layout`), so a report after a bump costs
+# one compile per configuration instead of the whole search, and the report lists what is still older.
+# Bump CACHE_VERSION instead when older records can no longer be compared with new ones.
+PROGRAM_VERSION = 2  # 1: every record made before versions were recorded
+# 2: the router weight applied and differentiated in the down-projection kernel (kernels/gmm.py row_weight)
 CACHE_DIR = checkout_root() / "data_cache" / "compile_report"
 
 def cache_path(run: RunSpec, candidate: Candidate, cache_dir: Path = CACHE_DIR) -> Path:
@@ -78,12 +86,27 @@ def hlo_path(cache_file: Path) -> Path:
     return cache_file.with_name(cache_file.name.removesuffix(".json") + ".hlo.gz")
 
 
-def _write_cache(path: Path, run: RunSpec, candidate: Candidate, report: CompileReport) -> None:
+def _write_cache(path: Path, run: RunSpec, candidate: Candidate, report: CompileReport,
+                 program: int | None = None) -> None:
+    """The cache file of one compile; `program`: the version that compiled it (default this checkout's)."""
+    program = PROGRAM_VERSION if program is None else program
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({"key": run_key(run), "candidate": candidate.layout.to_dict(),
-                               "report": report.as_dict()}, indent=1, sort_keys=True))
+                               "report": report.as_dict(), "program": program}, indent=1, sort_keys=True))
     tmp.replace(path)  # atomic: an interrupted write leaves no half file behind
+
+
+def recorded_program(run: RunSpec, candidate: Candidate, cache_dir: Path = CACHE_DIR,
+                     ledger: Ledger | None = None) -> int | None:
+    """The PROGRAM_VERSION of the program `compile_cached` would answer with (1 for records made before
+    versions were recorded), None when nothing is recorded."""
+    path = cache_path(run, candidate, cache_dir)
+    if path.exists():
+        return json.loads(path.read_text()).get("program", 1)
+    if ledger is not None and ledger.get(path.name) is not None:
+        return ledger.program(path.name)
+    return None
 
 
 def is_cached(run: RunSpec, candidate: Candidate, cache_dir: Path = CACHE_DIR,
@@ -99,18 +122,26 @@ def compile_cached(run: RunSpec, candidate: Candidate, compile_fn: Callable[...,
     compiled (and the cache file written)."""
     path = cache_path(run, candidate, cache_dir)
     if path.exists():
-        report = report_from_dict(json.loads(path.read_text())["report"])
+        data = json.loads(path.read_text())
+        report = report_from_dict(data["report"])
         if report.analysis_version < ANALYSIS_VERSION and hlo_path(path).exists():
             report = _reanalysed(run, report, read_hlo(hlo_path(path)))  # every candidate by one walk
-            _write_cache(path, run, candidate, report)
+            _write_cache(path, run, candidate, report, data.get("program", 1))
         return report, True
     recorded = ledger.get(path.name) if ledger is not None else None
     if recorded is not None:
         return recorded, True
+    return compile_fresh(run, candidate, compile_fn, cache_dir), False
+
+
+def compile_fresh(run: RunSpec, candidate: Candidate, compile_fn: Callable[..., CompileReport],
+                  cache_dir: Path = CACHE_DIR) -> CompileReport:
+    """Compile one candidate by this checkout's program, whatever is recorded, and cache the result."""
+    path = cache_path(run, candidate, cache_dir)
     layout = candidate.layout
     report = compile_fn(run, layout.tpu_type, layout, remat=layout.remat, hlo_path=hlo_path(path))
     _write_cache(path, run, candidate, report)
-    return report, False
+    return report
 
 
 def _reanalysed(run: RunSpec, report: CompileReport, hlo_text: str | None, by_kind: dict | None = None,
@@ -127,7 +158,7 @@ def _reanalysed(run: RunSpec, report: CompileReport, hlo_text: str | None, by_ki
 
 
 def complete_analysis(run: RunSpec, result: SearchResult, trace_fn: Callable[..., Any],
-                      cache_dir: Path = CACHE_DIR) -> SearchResult:
+                      cache_dir: Path = CACHE_DIR, ledger: Ledger | None = None) -> SearchResult:
     """`result` with its chosen report's program FLOPs, executed collectives and roofline filled in
     when a cached report (made before they existed) lacks them: FLOPs by tracing the train step
     (`trace_fn`, e.g. `compile_report.trace_program_flops`: seconds, no compile), collectives from the
@@ -155,7 +186,7 @@ def complete_analysis(run: RunSpec, result: SearchResult, trace_fn: Callable[...
     report = dataclasses.replace(report, suite=run.suite, checkpoint_bytes=save_bytes(run))
     if report.flops_accounting is None:
         report = with_accounting(report, run, trace_fn)
-    _write_cache(path, run, candidate, report)
+    _write_cache(path, run, candidate, report, recorded_program(run, candidate, cache_dir, ledger))
     return dataclasses.replace(result, report=report)
 
 
@@ -171,6 +202,13 @@ class SearchResult:
     # the loop-form and collectives comparisons (`loop_form.best_form`, `collective_form.best_collectives`):
     # (layout, report) of the scan's winner, then of every other-form compile; () when none was compiled
     compared: tuple = ()
+    # labels of the candidates whose answer came from an older program than PROGRAM_VERSION, in `tried` order
+    older_programs: tuple[str, ...] = ()
+
+    @property
+    def chosen_is_older(self) -> bool:
+        """The kept candidate's record is of an older program (a report run that compiled nothing)."""
+        return self.chosen is not None and Candidate(self.chosen).label in self.older_programs
 
 
 def search_layout(run: RunSpec, compile_fn: Callable[..., CompileReport], policy: SearchPolicy, *,
@@ -198,9 +236,15 @@ def search_layout(run: RunSpec, compile_fn: Callable[..., CompileReport], policy
     out (the configuration keeps its scan program). A compile that crashes (`compile_fn` raising
     `isolated.CompileCrashed`: killed for host memory, a libtpu crash) is not compiled in the same way,
     its reason in `tried` and, for the first exchange, in the status; it is not cached.
+
+    Records of an older program (PROGRAM_VERSION) answer like any other, and are listed in
+    `older_programs`; the candidate kept is then compiled again by this checkout's program (without a
+    `skip_reason`), and its new report is the result's (status 'does not fit (by program N)' if that one
+    does not fit with headroom).
     """
     slice_name = policy.slice_for(run)
     tried: list[tuple[str, str]] = []
+    older: list[str] = []  # candidates answered by a record of an older program
     last = None
     why = skip_reason  # why the last candidate answered None (not compiled)
 
@@ -217,14 +261,37 @@ def search_layout(run: RunSpec, compile_fn: Callable[..., CompileReport], policy
             log(f"  {run_key(run)} {candidate.label}: not compiled ({why})")
             tried.append((candidate.label, f"not compiled ({why})"))
             return None
-        host = f", {report.host_peak_bytes / 1e9:.1f} GB host" if report.host_peak_bytes else ""
-        outcome = ("fits" if fits_with_headroom(report) else "out of memory" if not report.peak_fits_hbm
-                   else f"over {HBM_HEADROOM:.0%} of HBM") + (
-            " (cached)" if cached else f" ({time.perf_counter() - start:.0f} s{host})")
-        log(f"  {run_key(run)} {candidate.label}: {outcome}")
-        tried.append((candidate.label, outcome))
+        program = recorded_program(run, candidate, cache_dir, ledger) if cached else PROGRAM_VERSION
+        if program < PROGRAM_VERSION and candidate.label not in older:
+            older.append(candidate.label)
+        log_outcome(candidate, report, "(cached)" if cached else _compiled_note(report, start),
+                    "" if program == PROGRAM_VERSION else f", program {program}")
         last = report
         return report
+
+    def log_outcome(candidate: Candidate, report: CompileReport, note: str, program_note: str = "") -> None:
+        outcome = ("fits" if fits_with_headroom(report) else "out of memory" if not report.peak_fits_hbm
+                   else f"over {HBM_HEADROOM:.0%} of HBM") + f" {note}"
+        log(f"  {run_key(run)} {candidate.label}: {outcome}{program_note}")
+        tried.append((candidate.label, outcome + program_note))
+
+    def current_program(candidate: Candidate, report: CompileReport, compared: tuple):
+        """The kept candidate by this checkout's program: compiled again when its record is older
+        (not with a `skip_reason`: then it stays listed in `older`)."""
+        if candidate.label not in older or skip_reason is not None:
+            return report, compared
+        start = time.perf_counter()
+        try:
+            fresh = compile_fresh(run, candidate, compile_fn, cache_dir)
+        except CompileCrashed as err:  # the older program's record stays, listed as older
+            log(f"  {run_key(run)} {candidate.label}: not compiled again ({err}); the older program's record kept")
+            tried.append((candidate.label, f"not compiled again ({err})"))
+            return report, compared
+        older.remove(candidate.label)
+        log_outcome(candidate, fresh, f"(kept, compiled again by program {PROGRAM_VERSION}: "
+                    + _compiled_note(fresh, start)[1:])
+        compared = tuple((layout, fresh if layout == candidate.layout else r) for layout, r in compared)
+        return fresh, compared
 
     loops = policy.layer_loops
     cands = candidates(run, slice_name, policy.expert_axis_sizes, policy.exchanges, loops, policy.collectives)
@@ -259,9 +326,19 @@ def search_layout(run: RunSpec, compile_fn: Callable[..., CompileReport], policy
         candidate, report, compared = best_form(group, candidate, report, loops, attempt)  # 3. the loop form
         candidate, report, compared = best_collectives(candidate, report, policy.collectives, attempt,
                                                        compared)  # 4. the compiler options
+        report, compared = current_program(candidate, report, compared)
+        if not fits_with_headroom(report):  # the kept candidate's current program no longer fits
+            return SearchResult(run_key(run), run.id, slice_name, None, report, tuple(tried),
+                                f"does not fit (by program {PROGRAM_VERSION})", compared, tuple(older))
         return SearchResult(run_key(run), run.id, slice_name, candidate.layout, report, tuple(tried), "fits",
-                            compared)
-    return SearchResult(run_key(run), run.id, slice_name, None, last, tuple(tried), "does not fit")
+                            compared, tuple(older))
+    return SearchResult(run_key(run), run.id, slice_name, None, last, tuple(tried), "does not fit",
+                        older_programs=tuple(older))
+
+
+def _compiled_note(report: CompileReport, start: float) -> str:
+    host = f", {report.host_peak_bytes / 1e9:.1f} GB host" if report.host_peak_bytes else ""
+    return f"({time.perf_counter() - start:.0f} s{host})"
 
 
 def ordered(runs: Iterable[RunSpec], priority: Sequence[str] = ()) -> list[RunSpec]:
@@ -353,14 +430,15 @@ def compile_suite(runs: Sequence[RunSpec], policy: SearchPolicy, *, suite: str,
         result = search_layout(run, compile_fn, policy, cache_dir=cache_dir, ledger=ledger, skip_reason=skip,
                                log=log)
         if available:  # program FLOPs and collectives for reports cached before they were recorded
-            result = complete_analysis(run, result, trace_fn, cache_dir)
+            result = complete_analysis(run, result, trace_fn, cache_dir, ledger)
         log(f"  -> {result.status}")
         results[key] = result
         if results_out:  # after every configuration: an interrupted report loses no compile
             for _, path in names[key]:
                 if path.exists():
                     data = json.loads(path.read_text())
-                    ledger.add(path.name, key, data["candidate"], report_from_dict(data["report"]))
+                    ledger.add(path.name, key, data["candidate"], report_from_dict(data["report"]),
+                               data.get("program", 1))
             ledger.write()
     in_order = tuple(results[run_key(r)] for r in runs)
     written = []

@@ -139,7 +139,25 @@ def render_table(results: Iterable, command: str) -> str:
               category_header()]
     lines += [category_row(r.key, *_categories(r)) for r in results]
     lines += loop_form_section(results)
+    lines += program_lines(results)
     return "\n".join(lines) + "\n"
+
+
+def program_lines(results: Iterable) -> list[str]:
+    """Markdown lines: which kept programs and how many compared records are of an older program than this
+    checkout's (`layout_search.PROGRAM_VERSION`)."""
+    results = list(results)
+    kept_older = [r.key for r in results if getattr(r, "chosen_is_older", False)]
+    records = sum(len(getattr(r, "older_programs", ())) for r in results) - len(kept_older)
+    kept = sum(r.chosen is not None for r in results)
+    lines = ["", f"**Program versions** (`layout_search.PROGRAM_VERSION`): {kept - len(kept_older)} of {kept} kept "
+             "programs were compiled by this checkout's program"
+             + (f"; {len(kept_older)} by an older one ({', '.join(kept_older)}), until `make compile-report` "
+                "compiles them again" if kept_older else "")
+             + f". {records} record(s) of candidates the search compared and did not keep are of an older program "
+             "and were compared as recorded (marked 'older program' above where listed): a version is bumped only "
+             "for a change that alters every candidate alike, not how they rank."]
+    return lines
 
 
 def _categories(result) -> tuple[dict[str, float] | None, float | None]:

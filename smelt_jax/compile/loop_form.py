@@ -87,13 +87,13 @@ def _form(layout) -> str:
     return "scan" if layout.layer_loop in ("auto", "scan") else layout.layer_loop
 
 
-def _row(key: str, layout, report, kept: bool) -> str:
+def _row(key: str, layout, report, kept: bool, older: bool = False) -> str:
     fits = fits_with_headroom(report)
     step = "?" if report.step_seconds is None or not report.peak_fits_hbm else f"{report.step_seconds:.3f}"
     walked = "?" if report.hbm_traffic_bytes is None else f"{report.hbm_traffic_bytes / 1e9:,.0f}"
     memory = ("?" if report.argument_bytes is None else
               f"{((report.argument_bytes or 0) + (report.temp_bytes or 0)) / 2**30:.1f}")
-    verdict = "**kept**" if kept else ("fits" if fits else "does not fit")
+    verdict = ("**kept**" if kept else ("fits" if fits else "does not fit")) + (" (older program)" if older else "")
     return (f"| {key} | {_form(layout)} | {layout.collectives} | {layout.remat} | {step} | {walked} | {memory} "
             f"| {report.compile_seconds:.0f} | {verdict} |")
 
@@ -118,6 +118,8 @@ def loop_form_section(results: Iterable[Any]) -> list[str]:
     lines += ["", "| config | layers | collectives | remat | step >= s | HBM GB walked | args+temps GiB | compile s | |",
               "|---|---|---|---|---|---|---|---|---|"]
     for result in compared:
+        older = getattr(result, "older_programs", ())
         for layout, report in result.compared:
-            lines.append(_row(result.key, layout, report, kept=layout == result.chosen))
+            lines.append(_row(result.key, layout, report, kept=layout == result.chosen,
+                              older=Candidate(layout).label in older))
     return lines

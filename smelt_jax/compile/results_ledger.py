@@ -4,7 +4,8 @@ A compile of a 100M train step for a v5p slice takes 1.5-3 minutes on these CPUs
 about four per configuration, so a whole suite is hours of compiling: more than one session, and the
 cache under data_cache/ does not travel with a clone. The ledger does: one JSON line per compile
 (name = the cache file's name, so configuration content, layout, remat, exchange and CACHE_VERSION are
-in it; the run's key; the candidate; the report without its 25 largest instructions), sorted by name,
+in it; the run's key; the candidate; the report without its 25 largest instructions; the
+`layout_search.PROGRAM_VERSION` of the program compiled, absent in records made before it was kept), sorted by name,
 written by `compile_suite` beside the suite's layouts file (experiments/compile_results.jsonl for
 smelt16). It is also the evidence behind layouts.json: every candidate the search compared, with its
 walked bytes and roofline step.
@@ -72,9 +73,14 @@ class Ledger:
             return None
         return report_from_dict(record["report"])
 
-    def add(self, name: str, key: str, candidate: dict[str, Any], report: CompileReport) -> None:
+    def add(self, name: str, key: str, candidate: dict[str, Any], report: CompileReport, program: int = 1) -> None:
+        """Record one compile; `program`: the `layout_search.PROGRAM_VERSION` that compiled it."""
         data = {k: v for k, v in report.as_dict().items() if k not in LEFT_OUT}
-        self.records[name] = {"name": name, "key": key, "candidate": candidate, "report": data}
+        self.records[name] = {"name": name, "key": key, "candidate": candidate, "report": data, "program": program}
+
+    def program(self, name: str) -> int:
+        """The program version of the record `name` (1: recorded before versions were)."""
+        return self.records[name].get("program", 1)
 
     def keep_only(self, names: set[str]) -> None:
         """Drop records of candidates no longer searched (another CACHE_VERSION, configuration or slice)."""
