@@ -153,7 +153,8 @@ def test_every_suite_lists_as_before(capsys):
     all of 200M (layers unrolled, 'async', remat none: 100M S97 and 200M S0-S97, the 200M S85 Baseline from
     dots to none), no id; then all of 600M (layers unrolled, 'async', remat none: the S95 and S97
     Baselines from full, every other 600M row but the S0 Baseline from dots), no id; then 1.6B S85-S97
-    (layers unrolled, 'async', remat none: the three Baselines from dots), no id."""
+    (layers unrolled, 'async', remat none: the three Baselines from dots), no id; then 1.6B S0 (layers
+    unrolled, 'async', remat none, from its scan programs), no id."""
     assert cli_main(["experiments", "list", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     golden = json.loads(GOLDEN_LIST.read_text())

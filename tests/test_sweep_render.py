@@ -88,10 +88,10 @@ def test_manifest_semantics():
     assert container["command"] == ["python", "-m", "smelt_jax", "train", branch.run.id, "--branch", "5",
                                     "--data-dir", SETTINGS.data_dir,
                                     "--layout", "data=4,fsdp=8,expert=8,tensor=1", "--remat", "none",
-                                    "--checkpoint-every", "5412"]
+                                    "--checkpoint-every", "5694"]
     # ...the layout and remat its compile report chose (issue 50's program: the ring exchange, layers
     # unrolled and the 'async' collectives, which the trainer takes from the run's layout, at remat none),
-    # and the save interval of experiments/checkpoint_cadence.json (30 min at its >= 0.333 s step)
+    # and the save interval of experiments/checkpoint_cadence.json (30 min at its >= 0.316 s step)
     assert branch.run.parallelism.remat == "none" and branch.run.parallelism.exchange == "ring"
     assert {"name": "SMELT_RUNS_DIR", "value": "gs://smelt-bucket/smelt/runs"} in container["env"]
     # 1.6b S97 SMELT runs on the slice its compile report chose (experiments/layouts.json): v5p-512

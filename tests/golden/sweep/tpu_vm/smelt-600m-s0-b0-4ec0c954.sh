@@ -73,7 +73,7 @@ ensure_active() {  # 0 once the slice is ACTIVE, 1 if it failed or was preempted
 attempt=0
 while true; do
   if ensure_active; then
-    gcloud compute tpus tpu-vm ssh smelt-600m-s0-b0-4ec0c954 --project=smelt-proj --zone=us-east5-a --worker=all '--command=sudo gcloud auth configure-docker us-docker.pkg.dev --quiet && sudo docker run --rm --privileged --net=host -e SMELT_RUNS_DIR=gs://smelt-bucket/smelt/runs -e SMELT_XLA_CACHE=gs://smelt-bucket/smelt/xla --entrypoint=python us-docker.pkg.dev/smelt-proj/smelt/smelt-jax:golden -m smelt_jax train smelt16-600m-s0-smelt-5f691c7c --branch 0 --data-dir gs://smelt-bucket/smelt/data/smelt16 --layout data=-1,fsdp=4,expert=1,tensor=1 --remat none --checkpoint-every 4169' &
+    gcloud compute tpus tpu-vm ssh smelt-600m-s0-b0-4ec0c954 --project=smelt-proj --zone=us-east5-a --worker=all '--command=sudo gcloud auth configure-docker us-docker.pkg.dev --quiet && sudo docker run --rm --privileged --net=host -e SMELT_RUNS_DIR=gs://smelt-bucket/smelt/runs -e SMELT_XLA_CACHE=gs://smelt-bucket/smelt/xla --entrypoint=python us-docker.pkg.dev/smelt-proj/smelt/smelt-jax:golden -m smelt_jax train smelt16-600m-s0-smelt-5f691c7c --branch 0 --data-dir gs://smelt-bucket/smelt/data/smelt16 --layout data=-1,fsdp=4,expert=1,tensor=1 --remat none --checkpoint-every 4613' &
     child=$!
     wait "$child"  # in the background, so that a signal reaches the trap at once
     rc=$?
