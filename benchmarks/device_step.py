@@ -72,10 +72,8 @@ def chip_for(device_kind: str, override: str | None = None):
         if override not in chips:
             raise SystemExit(f"--chip {override!r}: not one of {sorted(chips)}")
         return chips[override]
-    for prefix, chip in hardware.DEVICE_KINDS:
-        if device_kind.startswith(prefix):
-            return chip
-    return None
+    found = hardware.chip_for_device_kind(device_kind)
+    return None if found is None else found[1]
 
 
 def _batch(batch_size: int, seq_len: int, vocab: int, seed: int) -> dict[str, np.ndarray]:

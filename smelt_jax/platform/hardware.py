@@ -72,13 +72,20 @@ TORUS_3D = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: 
 GRID_2D = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16", 256: "16x16"}
 
 
+def chip_for_device_kind(kind: str) -> tuple[str, Chip] | None:
+    """(the matched prefix, the chip) for a jax `device_kind`, or None for a device not in the table
+    (e.g. a CPU)."""
+    for prefix, chip in DEVICE_KINDS:
+        if kind.startswith(prefix):
+            return prefix, chip
+    return None
+
+
 def peak_flops_for_device_kind(kind: str) -> tuple[float, str] | None:
     """(dense bf16 peak FLOP/s of one device, where the number comes from) for a jax `device_kind`,
     or None for a device not in the table (e.g. a CPU)."""
-    for prefix, chip in DEVICE_KINDS:
-        if kind.startswith(prefix):
-            return chip.peak_flops, f"{prefix} bf16 data sheet"
-    return None
+    found = chip_for_device_kind(kind)
+    return None if found is None else (found[1].peak_flops, f"{found[0]} bf16 data sheet")
 
 
 @dataclasses.dataclass(frozen=True)
